@@ -1,0 +1,399 @@
+//! The one configuration type: TOML file, CLI overrides, validation.
+//!
+//! Every key has a default; unknown keys are rejected (`deny_unknown_fields`)
+//! so a typo never silently turns a feature off.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+pub const DEFAULT_CONFIG: &str = "/etc/imgbridge/config.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Socket imgbridge listens on (clients point here).
+    pub listen: PathBuf,
+    /// containerd's gRPC socket.
+    pub upstream: PathBuf,
+    /// Mode of the created socket, octal string.
+    pub socket_mode: String,
+    /// Group (name or numeric gid) owning the socket; empty = root.
+    pub socket_group: String,
+    /// Also relay `<listen>.ttrpc` to `<upstream>.ttrpc`.
+    pub ttrpc: bool,
+    /// How long in-flight calls may finish after SIGTERM.
+    #[serde(with = "duration")]
+    pub drain_timeout: Duration,
+    pub replication: Replication,
+    pub reconcile: Reconcile,
+    pub import: Import,
+    pub metrics: Metrics,
+    pub log: Log,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeletePolicy {
+    /// Drop the pin imgbridge set on the replica, keep the image.
+    Unpin,
+    /// Delete the replica too.
+    Delete,
+    /// Leave the replica as it is.
+    Keep,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// The caller gets a gRPC error naming image, target and cause.
+    Fail,
+    /// The caller gets OK; the failure is logged, counted and retried.
+    Warn,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Replication {
+    pub source_namespaces: Vec<String>,
+    pub target_namespaces: Vec<String>,
+    /// Label replicas `io.cri-containerd.pinned=pinned`.
+    pub pin: bool,
+    /// Also write `name@sha256:<digest>` records (for spegel / embedded mirrors).
+    pub digest_refs: bool,
+    pub delete_policy: DeletePolicy,
+    pub on_failure: OnFailure,
+    /// Upper bound for one replication into one target.
+    #[serde(with = "duration")]
+    pub timeout: Duration,
+    /// How long to wait for CRI ImageStatus to resolve a replica.
+    #[serde(with = "duration")]
+    pub cri_wait: Duration,
+    /// How long a blob missing in the source is waited for.
+    #[serde(with = "duration")]
+    pub pending_give_up: Duration,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Reconcile {
+    /// Full pass at start and after every reconnect.
+    pub enabled: bool,
+    /// Subscribe to image events as a backstop for writes that bypass the proxy.
+    pub events: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Import {
+    pub dirs: Vec<ImportDir>,
+    /// Where imported file state is kept across restarts.
+    pub state_file: PathBuf,
+    /// A file must be quiet (size and mtime stable) this long before import.
+    #[serde(with = "duration")]
+    pub debounce: Duration,
+    /// Cap on decompressed bytes read from one archive (decompression bombs).
+    pub max_decompressed_bytes: u64,
+    /// Pin imported and pulled images.
+    pub pin: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ImportDir {
+    pub path: PathBuf,
+    #[serde(default = "k8s_ns")]
+    pub namespace: String,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Metrics {
+    /// `host:port` or a unix socket path; empty = off.
+    pub listen: String,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Log {
+    /// `text` or `json`.
+    pub format: String,
+    /// `RUST_LOG`-style filter; the `RUST_LOG` variable wins when set.
+    pub filter: String,
+}
+
+fn k8s_ns() -> String {
+    "k8s.io".into()
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "/run/imgbridge/containerd.sock".into(),
+            upstream: "/run/containerd/containerd.sock".into(),
+            socket_mode: "0660".into(),
+            socket_group: String::new(),
+            ttrpc: true,
+            drain_timeout: Duration::from_secs(10),
+            replication: Replication::default(),
+            reconcile: Reconcile::default(),
+            import: Import::default(),
+            metrics: Metrics::default(),
+            log: Log::default(),
+        }
+    }
+}
+
+impl Default for Replication {
+    fn default() -> Self {
+        Replication {
+            source_namespaces: vec!["buildkit".into()],
+            target_namespaces: vec![k8s_ns()],
+            pin: false,
+            digest_refs: true,
+            delete_policy: DeletePolicy::Unpin,
+            on_failure: OnFailure::Fail,
+            timeout: Duration::from_secs(120),
+            cri_wait: Duration::from_secs(5),
+            pending_give_up: Duration::from_secs(30 * 60),
+        }
+    }
+}
+
+impl Default for Reconcile {
+    fn default() -> Self {
+        Reconcile {
+            enabled: true,
+            events: true,
+        }
+    }
+}
+
+impl Default for Import {
+    fn default() -> Self {
+        Import {
+            dirs: Vec::new(),
+            state_file: "/var/lib/imgbridge/import-state.json".into(),
+            debounce: Duration::from_secs(2),
+            max_decompressed_bytes: 64 << 30,
+            pin: true,
+        }
+    }
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            format: "text".into(),
+            filter: "info".into(),
+        }
+    }
+}
+
+impl Config {
+    /// Parses TOML text; `origin` names the file in errors.
+    pub fn from_toml(text: &str, origin: &std::path::Path) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.into(),
+            source: Box::new(e),
+        })
+    }
+
+    /// Loads `path`; a missing default file means all defaults.
+    pub fn load(path: Option<&std::path::Path>) -> Result<Config, ConfigError> {
+        let (p, required) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_CONFIG), false),
+        };
+        match std::fs::read_to_string(&p) {
+            Ok(t) => Config::from_toml(&t, &p),
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(Config::default())
+            }
+            Err(source) => Err(ConfigError::Read { path: p, source }),
+        }
+    }
+
+    /// Refuses configurations that cannot work or would loop.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let r = &self.replication;
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if r.source_namespaces.is_empty() {
+            return bad("replication.source_namespaces is empty: name at least one build namespace (default \"buildkit\")".into());
+        }
+        if r.target_namespaces.is_empty() {
+            return bad("replication.target_namespaces is empty: name at least one target (default \"k8s.io\")".into());
+        }
+        for ns in r.source_namespaces.iter().chain(&r.target_namespaces) {
+            if !valid_namespace(ns) {
+                return bad(format!("namespace {ns:?} is not a valid containerd namespace (letters, digits, '.', '_', '-'; must start with a letter or digit)"));
+            }
+        }
+        let sources: BTreeSet<_> = r.source_namespaces.iter().collect();
+        if let Some(ns) = r.target_namespaces.iter().find(|t| sources.contains(t)) {
+            return bad(format!(
+                "namespace {ns:?} is both a replication source and a target: that would replicate it into itself"
+            ));
+        }
+        if self.listen == self.upstream {
+            return bad(format!(
+                "listen and upstream are the same socket {}: imgbridge would proxy to itself",
+                self.listen.display()
+            ));
+        }
+        self.socket_mode()?;
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return bad(format!(
+                "log.format {:?}: expected \"text\" or \"json\"",
+                self.log.format
+            ));
+        }
+        for d in &self.import.dirs {
+            if !valid_namespace(&d.namespace) {
+                return bad(format!(
+                    "import.dirs namespace {:?} is not valid",
+                    d.namespace
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn socket_mode(&self) -> Result<u32, ConfigError> {
+        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "socket_mode {:?}: expected an octal mode such as \"0660\"",
+                    self.socket_mode
+                ))
+            })
+    }
+
+    /// The socket's group id, resolving names through /etc/group.
+    pub fn socket_gid(&self) -> Result<Option<u32>, ConfigError> {
+        let g = self.socket_group.trim();
+        if g.is_empty() {
+            return Ok(None);
+        }
+        if let Ok(id) = g.parse() {
+            return Ok(Some(id));
+        }
+        match nix::unistd::Group::from_name(g) {
+            Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
+            _ => Err(ConfigError::Invalid(format!(
+                "socket_group {g:?}: no such group"
+            ))),
+        }
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// containerd's namespace rule (`identifiers.Validate`).
+pub fn valid_namespace(ns: &str) -> bool {
+    let b = ns.as_bytes();
+    !b.is_empty()
+        && b.len() <= 76
+        && b[0].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(c))
+}
+
+/// Durations as human strings ("5s", "30m") in TOML.
+mod duration {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "{s:?} is not a duration like \"5s\" or \"30m\": {e}"
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn defaults_validate() {
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_loop_and_empty() {
+        let mut c = Config::default();
+        c.replication.target_namespaces.push("buildkit".into());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("both a replication source and a target"), "{e}");
+        let mut c = Config::default();
+        c.replication.source_namespaces.clear();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("source_namespaces is empty"));
+        let mut c = Config::default();
+        c.replication.target_namespaces.clear();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("target_namespaces is empty"));
+    }
+
+    #[test]
+    fn unknown_key_and_bad_value_named() {
+        let e = Config::from_toml("[replication]\npinn = true\n", Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pinn"), "{e}");
+        let e = Config::from_toml("[replication]\ncri_wait = \"soon\"\n", Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cri_wait") || e.contains("soon"), "{e}");
+        let e = Config::from_toml(
+            "[replication]\ndelete_policy = \"nuke\"\n",
+            Path::new("x.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("nuke"), "{e}");
+    }
+
+    #[test]
+    fn roundtrips_through_toml() {
+        let c = Config::default();
+        let back = Config::from_toml(&c.to_toml(), Path::new("x")).unwrap();
+        assert_eq!(c, back);
+    }
+}

@@ -1,0 +1,96 @@
+//! The interception point: how policy code (replication) hooks selected unary
+//! calls without knowing anything about HTTP/2.
+//!
+//! The transport asks [`Interceptor::select`] once per call. `None` means pure
+//! passthrough (streamed, never buffered). `Some(hook)` means the call is
+//! unary and is held: the request message goes to [`Hook::before`], is
+//! forwarded unchanged, and on upstream OK the response message goes to
+//! [`Hook::after`] before the original reply bytes are relayed.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+
+use bytes::Bytes;
+
+/// What policy code may know about a call.
+#[derive(Clone, Debug, Default)]
+pub struct CallInfo {
+    /// Full gRPC method path, e.g. `/containerd.services.images.v1.Images/Create`.
+    pub method: String,
+    /// First `containerd-namespace` value, as containerd itself reads it.
+    pub namespace: Option<String>,
+}
+
+/// Future returned by hooks; an `Err` becomes the caller's gRPC status.
+pub type HookFuture<'a> = Pin<Box<dyn Future<Output = Result<(), tonic::Status>> + Send + 'a>>;
+
+/// Decides which calls to hold.
+pub trait Interceptor: Send + Sync + 'static {
+    /// Called for every call; must be cheap because it sits on the data path.
+    fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>>;
+}
+
+/// Work attached to one held call.
+pub trait Hook: Send {
+    /// Runs on the request message before it is forwarded; an error answers
+    /// the caller without contacting containerd.
+    fn before<'a>(&'a mut self, _request: &'a Bytes) -> HookFuture<'a> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Runs after containerd answered OK, before the reply is relayed; an
+    /// error replaces the reply (containerd's change is not rolled back).
+    fn after(self: Box<Self>, request: Bytes, response: Bytes) -> HookFuture<'static>;
+}
+
+/// Passthrough only: the proxy without policy.
+pub struct NoIntercept;
+
+impl Interceptor for NoIntercept {
+    fn select(&self, _call: &CallInfo) -> Option<Box<dyn Hook>> {
+        None
+    }
+}
+
+/// Adapts a closure over decoded prost messages into a [`Hook`].
+///
+/// A reply that does not decode is reported as `Internal`: the upstream call
+/// succeeded, but imgbridge cannot act on something it cannot read.
+pub fn typed<Req, Resp, F, Fut>(f: F) -> Box<dyn Hook>
+where
+    Req: prost::Message + Default + 'static,
+    Resp: prost::Message + Default + 'static,
+    F: FnOnce(Req, Resp) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), tonic::Status>> + Send + 'static,
+{
+    Box::new(Typed {
+        f,
+        _m: PhantomData::<fn(Req, Resp)>,
+    })
+}
+
+struct Typed<F, Req, Resp> {
+    f: F,
+    _m: PhantomData<fn(Req, Resp)>,
+}
+
+impl<Req, Resp, F, Fut> Hook for Typed<F, Req, Resp>
+where
+    Req: prost::Message + Default + 'static,
+    Resp: prost::Message + Default + 'static,
+    F: FnOnce(Req, Resp) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), tonic::Status>> + Send + 'static,
+{
+    fn after(self: Box<Self>, request: Bytes, response: Bytes) -> HookFuture<'static> {
+        let decoded = Req::decode(request).and_then(|req| Ok((req, Resp::decode(response)?)));
+        match decoded {
+            Ok((req, resp)) => Box::pin((self.f)(req, resp)),
+            Err(e) => Box::pin(async move {
+                Err(tonic::Status::internal(format!(
+                    "imgbridge could not decode the call to act on it (the upstream call succeeded): {e}"
+                )))
+            }),
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! Creating the proxy's Unix sockets safely.
+//!
+//! The socket is as powerful as containerd's own, so it is created 0660
+//! root:root unless configured otherwise. A stale socket file is replaced; a
+//! live one (someone answers) makes start-up fail instead of stealing it.
+
+use std::os::unix::fs::{chown, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error(
+        "{0} is in use: another process (another imgbridge?) answers on it; stop it or choose another --listen path"
+    )]
+    InUse(PathBuf),
+    #[error("cannot remove stale socket {path}: {source}")]
+    Stale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot create directory for {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot bind {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot set mode/owner of {path}: {source}")]
+    Perms {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Ownership and mode for a created socket.
+#[derive(Clone, Copy, Debug)]
+pub struct SocketPerms {
+    pub mode: u32,
+    /// Group id; `None` keeps root's group (gid 0).
+    pub gid: Option<u32>,
+}
+
+impl Default for SocketPerms {
+    fn default() -> Self {
+        SocketPerms {
+            mode: 0o660,
+            gid: None,
+        }
+    }
+}
+
+/// Binds `path`, replacing a stale socket and refusing a live one.
+pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| ListenError::Dir {
+            path: path.into(),
+            source,
+        })?;
+    }
+    if std::fs::symlink_metadata(path).is_ok() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ListenError::InUse(path.into()));
+        }
+        std::fs::remove_file(path).map_err(|source| ListenError::Stale {
+            path: path.into(),
+            source,
+        })?;
+        tracing::info!(socket = %path.display(), "replaced stale socket file");
+    }
+    let listener = UnixListener::bind(path).map_err(|source| ListenError::Bind {
+        path: path.into(),
+        source,
+    })?;
+    apply_perms(path, perms)?;
+    Ok(listener)
+}
+
+fn apply_perms(path: &Path, perms: SocketPerms) -> Result<(), ListenError> {
+    let err = |source| ListenError::Perms {
+        path: path.into(),
+        source,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(perms.mode)).map_err(err)?;
+    // Only root can give a socket away; an unprivileged developer run keeps
+    // its own uid, which is no wider than the socket it was started on.
+    if nix::unistd::geteuid().is_root() {
+        chown(path, Some(0), Some(perms.gid.unwrap_or(0))).map_err(err)?;
+    } else if let Some(gid) = perms.gid {
+        chown(path, None, Some(gid)).map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[tokio::test]
+    async fn stale_replaced_live_refused_mode_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub/s.sock");
+        let l = bind(&p, SocketPerms::default()).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o660);
+        assert!(matches!(
+            bind(&p, SocketPerms::default()),
+            Err(ListenError::InUse(_))
+        ));
+        drop(l); // the file stays behind: stale
+        assert!(p.exists());
+        let _l = bind(
+            &p,
+            SocketPerms {
+                mode: 0o600,
+                gid: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o600);
+    }
+}

@@ -1,0 +1,269 @@
+//! Transport: a transparent HTTP/2 (h2c) gRPC proxy over Unix sockets.
+//!
+//! Every call is relayed to containerd untouched and streamed both ways with
+//! end-to-end flow control. Only calls an [`Interceptor`] selects are held
+//! (they are unary and small); this module never decides which ones.
+
+pub mod body;
+pub mod grpc;
+pub mod intercept;
+pub mod listener;
+pub mod raw;
+pub mod tuning;
+pub mod upstream;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body_util::{BodyExt, Either, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{UnixListener, UnixStream};
+
+use body::{replay, ProxyBody};
+pub use intercept::{CallInfo, Hook, Interceptor, NoIntercept};
+pub use tuning::Tuning;
+use upstream::Upstream;
+
+/// Largest held (intercepted) request or response body.
+const HELD_LIMIT: usize = grpc::MAX_MESSAGE + grpc::PREFIX_LEN;
+
+/// Transport settings.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// containerd's gRPC socket.
+    pub upstream: PathBuf,
+    /// How long in-flight calls may run after shutdown was requested.
+    pub drain_timeout: Duration,
+    pub tuning: Tuning,
+}
+
+impl ProxyConfig {
+    pub fn new(upstream: impl Into<PathBuf>) -> Self {
+        ProxyConfig {
+            upstream: upstream.into(),
+            drain_timeout: Duration::from_secs(10),
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("accept on the proxy socket failed: {0}")]
+    Accept(std::io::Error),
+}
+
+/// Serves gRPC on `listener` until `shutdown` resolves, then stops accepting
+/// and lets in-flight calls finish for up to `drain_timeout`.
+pub async fn serve(
+    listener: UnixListener,
+    config: ProxyConfig,
+    interceptor: Arc<dyn Interceptor>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ProxyError> {
+    let upstream_path = Arc::new(config.upstream.clone());
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder.timer(TokioTimer::new());
+    config.tuning.server(&mut builder);
+    tokio::pin!(shutdown);
+    let mut accept_errors = 0u32;
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((s, _)) => { accept_errors = 0; s }
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning, keep serving.
+                    accept_errors += 1;
+                    tracing::warn!(error = %e, "accept failed");
+                    if accept_errors > 1000 {
+                        return Err(ProxyError::Accept(e));
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let conn = Arc::new(Connection {
+            upstream: Upstream::new(upstream_path.clone(), config.tuning),
+            interceptor: interceptor.clone(),
+        });
+        let peer = peer_label(&stream);
+        let svc = service_fn(move |req| conn.clone().handle(req));
+        let fut = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+        tokio::spawn(async move {
+            if let Err(e) = fut.await {
+                // Clients routinely reset when they exit; not worth more than debug.
+                tracing::debug!(peer = %peer, error = %e, "client connection ended");
+            }
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: draining in-flight calls");
+    if tokio::time::timeout(config.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls still running at drain timeout; closing them");
+    }
+    Ok(())
+}
+
+fn peer_label(s: &UnixStream) -> String {
+    match s.peer_cred() {
+        Ok(c) => format!("pid={} uid={}", c.pid().unwrap_or(-1), c.uid()),
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// State of one downstream connection.
+struct Connection {
+    upstream: Upstream,
+    interceptor: Arc<dyn Interceptor>,
+}
+
+impl Connection {
+    async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let call = CallInfo {
+            method: req.uri().path().to_owned(),
+            namespace: req
+                .headers()
+                .get("containerd-namespace")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+        };
+        let hook = self.interceptor.select(&call);
+        let (mut parts, body) = req.into_parts();
+        parts.uri = upstream_uri(&parts.uri);
+        Ok(match hook {
+            None => {
+                self.forward(Request::from_parts(parts, Either::Left(body)))
+                    .await
+            }
+            Some(hook) => self.held(call, hook, parts, body).await,
+        })
+    }
+
+    /// Passthrough: both bodies stream untouched.
+    async fn forward(&self, req: Request<ProxyBody>) -> Response<ProxyBody> {
+        match self.send(req).await {
+            Ok(resp) => resp.map(Either::Left),
+            Err(resp) => resp,
+        }
+    }
+
+    async fn send(
+        &self,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, Response<ProxyBody>> {
+        let mut sender = self.upstream.sender().await.map_err(|e| {
+            tracing::warn!(error = %e, "upstream unavailable");
+            unavailable(&e.to_string())
+        })?;
+        sender.send_request(req).await.map_err(|e| {
+            tracing::warn!(upstream = %self.upstream.path().display(), error = %e, "upstream call failed");
+            unavailable(&format!(
+                "containerd at {} failed the call: {e}",
+                self.upstream.path().display()
+            ))
+        })
+    }
+
+    /// A held unary call: buffer, run the hook around upstream, replay.
+    async fn held(
+        &self,
+        call: CallInfo,
+        mut hook: Box<dyn Hook>,
+        parts: http::request::Parts,
+        body: Incoming,
+    ) -> Response<ProxyBody> {
+        let request = match Limited::new(body, HELD_LIMIT).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) => {
+                tracing::warn!(method = %call.method, error = %e, "could not read held request");
+                return grpc::error_response(
+                    tonic::Code::Cancelled,
+                    &format!("imgbridge: reading the request failed: {e}"),
+                );
+            }
+        };
+        let forward = |bytes: Bytes| Request::from_parts(parts.clone(), replay(bytes, None));
+        let message = match grpc::unary_message(&request) {
+            Ok(m) => m,
+            Err(e) => {
+                // Compressed or malformed: never guess, let containerd judge it.
+                tracing::warn!(method = %call.method, error = %e, "request not interceptable; relaying untouched");
+                return self.forward(forward(request)).await;
+            }
+        };
+        if let Err(status) = hook.before(&message).await {
+            return status_response(&status);
+        }
+        let resp = match self.send(forward(request)).await {
+            Ok(r) => r,
+            Err(r) => return r,
+        };
+        let (rparts, rbody) = resp.into_parts();
+        if hyper::body::Body::is_end_stream(&rbody) {
+            // Trailers-Only: an error from containerd, relayed as is.
+            return Response::from_parts(rparts, Either::Left(rbody));
+        }
+        let collected = match Limited::new(rbody, HELD_LIMIT).collect().await {
+            Ok(c) => c,
+            Err(e) => {
+                return unavailable(&format!(
+                    "containerd at {} broke off the reply: {e}",
+                    self.upstream.path().display()
+                ));
+            }
+        };
+        let trailers = collected.trailers().cloned();
+        let data = collected.to_bytes();
+        let replayed =
+            |data, trailers| Response::from_parts(rparts.clone(), replay(data, trailers));
+        if grpc::status_code(&rparts.headers, trailers.as_ref()) != Some(0) {
+            return replayed(data, trailers);
+        }
+        match grpc::unary_message(&data) {
+            Ok(reply) => match hook.after(message, reply).await {
+                Ok(()) => replayed(data, trailers),
+                Err(status) => status_response(&status),
+            },
+            Err(e) => {
+                tracing::warn!(method = %call.method, error = %e, "reply not interceptable; relaying untouched");
+                replayed(data, trailers)
+            }
+        }
+    }
+}
+
+/// h2 requires scheme and authority on client requests; keep the path.
+fn upstream_uri(uri: &Uri) -> Uri {
+    let pq = uri.path_and_query().map_or("/", |p| p.as_str());
+    Uri::builder()
+        .scheme("http")
+        .authority(uri.authority().map_or("localhost", |a| a.as_str()))
+        .path_and_query(pq)
+        .build()
+        .unwrap_or_else(|_| uri.clone())
+}
+
+fn unavailable(msg: &str) -> Response<ProxyBody> {
+    grpc::error_response(tonic::Code::Unavailable, &format!("imgbridge: {msg}"))
+}
+
+fn status_response(status: &tonic::Status) -> Response<ProxyBody> {
+    grpc::error_response(status.code(), status.message())
+}
