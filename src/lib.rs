@@ -6,6 +6,7 @@
 
 pub mod app;
 pub mod config;
+pub mod containerd;
 pub mod proxy;
 
 pub use app::serve;

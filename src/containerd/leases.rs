@@ -1,0 +1,58 @@
+//! Leases keep blobs alive between their commit and the image record that
+//! references them. They are per namespace and must be created in the target.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use containerd_client::services::v1::{CreateRequest, DeleteRequest};
+
+use super::{request, Containerd, Error, Result};
+
+/// Label that makes containerd's GC drop the lease after a deadline, so a
+/// crashed imgbridge never leaks content.
+pub const EXPIRE: &str = "containerd.io/gc.expire";
+
+impl Containerd {
+    /// Creates a lease in `ns` that expires after `ttl` even if never deleted.
+    pub async fn create_lease(&self, ns: &str, ttl: Duration) -> Result<String> {
+        let id = format!("imgbridge-{}", unique());
+        let expire = time::OffsetDateTime::from(SystemTime::now() + ttl)
+            .format(&time::format_description::well_known::Rfc3339)
+            .map_err(|e| Error::Protocol(format!("formatting lease expiry: {e}")))?;
+        let mut labels = HashMap::new();
+        labels.insert(EXPIRE.to_string(), expire);
+        self.leases()
+            .create(request(
+                ns,
+                None,
+                CreateRequest {
+                    id: id.clone(),
+                    labels,
+                },
+            ))
+            .await
+            .map_err(Error::status(format!("Leases.Create in {ns}")))?;
+        Ok(id)
+    }
+
+    /// Releases a lease; GC runs asynchronously (not `sync`).
+    pub async fn delete_lease(&self, ns: &str, id: &str) -> Result<()> {
+        self.leases()
+            .delete(request(
+                ns,
+                None,
+                DeleteRequest {
+                    id: id.into(),
+                    sync: false,
+                },
+            ))
+            .await
+            .map_err(Error::status(format!("Leases.Delete {id} in {ns}")))?;
+        Ok(())
+    }
+}
+
+/// A process-unique random token for lease ids and ingest refs.
+pub fn unique() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}

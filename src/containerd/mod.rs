@@ -1,0 +1,171 @@
+//! Typed helpers over `containerd-client`: the calls imgbridge itself makes
+//! to containerd (content, leases, images, CRI). No policy lives here.
+
+pub mod content;
+pub mod cri;
+pub mod images;
+pub mod leases;
+
+use std::path::{Path, PathBuf};
+
+use containerd_client::services::v1 as api;
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint};
+
+pub use api::Image;
+pub use containerd_client::types::Descriptor;
+
+/// containerd's default message limit; our clients accept as much.
+pub const MAX_MESSAGE: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{op}: {status}")]
+    Status {
+        op: String,
+        #[source]
+        status: tonic::Status,
+    },
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl Error {
+    pub fn status(op: impl Into<String>) -> impl FnOnce(tonic::Status) -> Error {
+        let op = op.into();
+        move |status| Error::Status { op, status }
+    }
+
+    /// The gRPC code behind this error, if it came from containerd.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            Error::Status { status, .. } => Some(status.code()),
+            Error::Protocol(_) => None,
+        }
+    }
+
+    pub fn is(&self, code: tonic::Code) -> bool {
+        self.code() == Some(code)
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A lazily connected, self-reconnecting client for one containerd socket.
+#[derive(Clone, Debug)]
+pub struct Containerd {
+    channel: Channel,
+    socket: PathBuf,
+}
+
+impl Containerd {
+    /// Creates the client without connecting: calls fail with UNAVAILABLE
+    /// while containerd is down and succeed again once it is back.
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        let socket = socket.into();
+        let path = socket.clone();
+        let channel = Endpoint::from_static("http://localhost").connect_with_connector_lazy(
+            tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
+            }),
+        );
+        Containerd { channel, socket }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    pub fn images(&self) -> api::images_client::ImagesClient<Channel> {
+        api::images_client::ImagesClient::new(self.channel())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+
+    pub fn content(&self) -> api::content_client::ContentClient<Channel> {
+        api::content_client::ContentClient::new(self.channel())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+
+    pub fn leases(&self) -> api::leases_client::LeasesClient<Channel> {
+        api::leases_client::LeasesClient::new(self.channel())
+    }
+
+    pub fn events(&self) -> api::events_client::EventsClient<Channel> {
+        api::events_client::EventsClient::new(self.channel()).max_decoding_message_size(MAX_MESSAGE)
+    }
+
+    pub fn namespaces(&self) -> api::namespaces_client::NamespacesClient<Channel> {
+        api::namespaces_client::NamespacesClient::new(self.channel())
+    }
+
+    pub fn introspection(&self) -> api::introspection_client::IntrospectionClient<Channel> {
+        api::introspection_client::IntrospectionClient::new(self.channel())
+            .max_decoding_message_size(MAX_MESSAGE)
+    }
+
+    pub fn version_client(&self) -> api::version_client::VersionClient<Channel> {
+        api::version_client::VersionClient::new(self.channel())
+    }
+
+    /// containerd's version string; also a cheap liveness probe.
+    pub async fn version(&self) -> Result<String> {
+        let v = self
+            .version_client()
+            .version(())
+            .await
+            .map_err(Error::status("Version"))?;
+        Ok(v.into_inner().version)
+    }
+
+    /// The metadata store's content sharing policy (`shared` or `isolated`).
+    pub async fn sharing_policy(&self) -> Result<String> {
+        let r = self
+            .introspection()
+            .plugins(api::PluginsRequest {
+                filters: vec!["type==io.containerd.metadata.v1".into()],
+            })
+            .await
+            .map_err(Error::status("Introspection.Plugins"))?
+            .into_inner();
+        Ok(r.plugins
+            .iter()
+            .find_map(|p| p.exports.get("policy").cloned())
+            .unwrap_or_else(|| "shared".into()))
+    }
+
+    /// Whether the CRI plugin is loaded (so `ImageStatus` can confirm replicas).
+    pub async fn has_cri(&self) -> Result<bool> {
+        let r = self
+            .introspection()
+            .plugins(api::PluginsRequest {
+                filters: vec!["type==io.containerd.grpc.v1,id==cri".into()],
+            })
+            .await
+            .map_err(Error::status("Introspection.Plugins"))?
+            .into_inner();
+        Ok(r.plugins.iter().any(|p| p.init_err.is_none()))
+    }
+}
+
+/// Builds a request carrying `containerd-namespace` (and optionally a lease).
+pub fn request<T>(ns: &str, lease: Option<&str>, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Ok(v) = ns.parse() {
+        r.metadata_mut().insert("containerd-namespace", v);
+    }
+    if let Some(l) = lease.and_then(|l| l.parse().ok()) {
+        r.metadata_mut().insert("containerd-lease", l);
+    }
+    r
+}
