@@ -9,7 +9,9 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::proxy::{self, NoIntercept, ProxyConfig};
+use crate::containerd::Containerd;
+use crate::proxy::{self, ProxyConfig};
+use crate::replicate::{hooks::ImageHooks, Replicator, Settings};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -42,7 +44,11 @@ pub async fn serve(
     }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
-    let result = proxy::serve(listener, pc, Arc::new(NoIntercept), shutdown).await;
+    let containerd = Containerd::new(&config.upstream);
+    let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication));
+    tasks.push(replicator.start(stop.clone()));
+    let hooks = Arc::new(ImageHooks::new(replicator.clone()));
+    let result = proxy::serve(listener, pc, hooks, shutdown).await;
     stop.cancel();
     for t in tasks {
         let _ = t.await;

@@ -8,6 +8,8 @@ pub mod app;
 pub mod config;
 pub mod containerd;
 pub mod proxy;
+pub mod reference;
+pub mod replicate;
 
 pub use app::serve;
 pub use config::Config;

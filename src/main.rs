@@ -149,7 +149,8 @@ fn init_logging(c: &Config) {
     });
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if c.log.format == "json" {
         b.json().init();
     } else {

@@ -328,3 +328,31 @@ impl Drop for Writer {
         });
     }
 }
+
+impl Containerd {
+    /// Sets labels on a blob in `ns` (only the given keys; others are kept).
+    pub async fn update_content_labels(
+        &self,
+        ns: &str,
+        digest: &str,
+        labels: HashMap<String, String>,
+    ) -> Result<()> {
+        let paths = labels.keys().map(|k| format!("labels.{k}")).collect();
+        self.content()
+            .update(request(
+                ns,
+                None,
+                containerd_client::services::v1::UpdateRequest {
+                    info: Some(Info {
+                        digest: digest.into(),
+                        labels,
+                        ..Default::default()
+                    }),
+                    update_mask: Some(prost_types::FieldMask { paths }),
+                },
+            ))
+            .await
+            .map_err(Error::status(format!("Content.Update {digest} in {ns}")))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,650 @@
+//! The replication contract (DESIGN.md): make an image written in a source
+//! namespace usable in every target namespace, record last, CRI-confirmed.
+//!
+//! One replication path serves every trigger (proxy hook, reconcile pass,
+//! events, Transfer). It reads the *current* source record under a per
+//! (target, name) lock, so concurrent writers converge on the final state,
+//! and it plans read-only first, so a pass over images already in sync
+//! writes nothing.
+
+pub mod hooks;
+mod locks;
+mod pending;
+pub mod tree;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{self, DeletePolicy, OnFailure};
+use crate::containerd::content::BlobRef;
+use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
+use crate::reference::Reference;
+use tree::Child;
+
+/// Label naming the namespace a replica came from; only such records are
+/// ever unpinned or deleted by imgbridge.
+pub const SOURCE_LABEL: &str = "io.imgbridge.source";
+pub const PINNED_LABEL: &str = "io.cri-containerd.pinned";
+/// Set by CRI once it manages a record; cleared when the digest changes so
+/// CRI re-manages it and creates the new `sha256:<config>` record.
+pub const CRI_MANAGED_LABEL: &str = "io.cri-containerd.image";
+/// Label the directory importer puts on what it pinned.
+pub const IMPORT_LABEL: &str = "io.imgbridge.import";
+const EXPIRE_LABEL: &str = "containerd.io/gc.expire";
+const CRI_NAMESPACE: &str = "k8s.io";
+/// Blobs linked or checked in parallel per image.
+const PARALLEL: usize = 16;
+/// Leases outlive any replication; containerd's GC drops them if we crash.
+const LEASE_TTL: Duration = Duration::from_secs(3600);
+
+/// Replication settings, from `[replication]`.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub sources: Vec<String>,
+    pub targets: Vec<String>,
+    pub pin: bool,
+    pub digest_refs: bool,
+    pub delete_policy: DeletePolicy,
+    pub on_failure: OnFailure,
+    pub timeout: Duration,
+    pub cri_wait: Duration,
+    pub pending_give_up: Duration,
+}
+
+impl From<&config::Replication> for Settings {
+    fn from(r: &config::Replication) -> Self {
+        Settings {
+            sources: r.source_namespaces.clone(),
+            targets: r.target_namespaces.clone(),
+            pin: r.pin,
+            digest_refs: r.digest_refs,
+            delete_policy: r.delete_policy,
+            on_failure: r.on_failure,
+            timeout: r.timeout,
+            cri_wait: r.cri_wait,
+            pending_give_up: r.pending_give_up,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("replicating {image} from {source_ns} into {target}: {cause}")]
+    Containerd {
+        image: String,
+        source_ns: String,
+        target: String,
+        #[source]
+        cause: ctrd::Error,
+    },
+    #[error("replicating {image} into {target} timed out after {after:?}")]
+    Timeout {
+        image: String,
+        target: String,
+        after: Duration,
+    },
+    #[error(
+        "{name} was written into {target} but CRI ImageStatus did not resolve it to {expected:?} within {after:?}"
+    )]
+    CriWait {
+        name: String,
+        target: String,
+        expected: Vec<String>,
+        after: Duration,
+    },
+    #[error("image {image} in {source_ns} has no target descriptor")]
+    NoTarget { image: String, source_ns: String },
+}
+
+/// What one replication did, for logs, tests and idempotence checks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Writes sent to containerd (blob links/copies, label fixes, records).
+    pub writes: usize,
+    /// Blobs not yet in the source, linked later in the background.
+    pub pending: usize,
+    /// Target names written or confirmed.
+    pub names: Vec<String>,
+    /// Skipped because the name is not a valid reference.
+    pub skipped: bool,
+}
+
+impl Outcome {
+    fn absorb(&mut self, o: Outcome) {
+        self.writes += o.writes;
+        self.pending += o.pending;
+        self.names.extend(o.names);
+        self.skipped |= o.skipped;
+    }
+}
+
+/// The replication engine; cheap to share (`Arc`).
+pub struct Replicator {
+    c: Containerd,
+    s: Settings,
+    locks: locks::KeyedLocks,
+    pending: pending::Pending,
+    nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
+    cri: OnceCell<bool>,
+}
+
+/// Result of looking at one blob.
+#[derive(Default)]
+struct Visit {
+    children: Vec<Child>,
+    config: Option<String>,
+    writes: usize,
+    pending: bool,
+}
+
+impl Replicator {
+    pub fn new(c: Containerd, s: Settings) -> Arc<Self> {
+        Arc::new(Replicator {
+            c,
+            s,
+            locks: locks::KeyedLocks::default(),
+            pending: pending::Pending::default(),
+            nodes: Default::default(),
+            cri: OnceCell::new(),
+        })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.s
+    }
+
+    pub fn containerd(&self) -> &Containerd {
+        &self.c
+    }
+
+    pub fn is_source(&self, ns: &str) -> bool {
+        self.s.sources.iter().any(|s| s == ns)
+    }
+
+    /// Number of blobs waiting to appear in a source namespace.
+    pub fn pending_count(&self) -> usize {
+        self.pending.count()
+    }
+
+    /// Starts the background linker for blobs that were missing.
+    pub fn start(self: &Arc<Self>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move { pending::run(me, shutdown).await })
+    }
+
+    /// Replicates the current state of `name` in `source` into every target.
+    /// `wait_cri` confirms through CRI even when nothing had to be written.
+    pub async fn replicate(
+        &self,
+        source: &str,
+        name: &str,
+        wait_cri: bool,
+    ) -> Result<Outcome, Error> {
+        let mut total = Outcome::default();
+        let mut first_err = None;
+        for target in &self.s.targets {
+            let r = tokio::time::timeout(
+                self.s.timeout,
+                self.replicate_into(source, target, name, wait_cri),
+            )
+            .await;
+            match r {
+                Ok(Ok(o)) => total.absorb(o),
+                Ok(Err(e)) => {
+                    tracing::warn!(image = name, source, target = %target, error = %e, "replication failed");
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    let e = Error::Timeout {
+                        image: name.into(),
+                        target: target.clone(),
+                        after: self.s.timeout,
+                    };
+                    tracing::warn!(image = name, error = %e, "replication timed out");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(total),
+        }
+    }
+
+    async fn replicate_into(
+        &self,
+        source: &str,
+        target: &str,
+        name: &str,
+        wait_cri: bool,
+    ) -> Result<Outcome, Error> {
+        if name.starts_with("sha256:") {
+            return Ok(Outcome {
+                skipped: true,
+                ..Default::default()
+            });
+        }
+        let parsed = match Reference::parse(name) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(image = name, source, error = %e, "not replicating an image whose name is not a valid reference");
+                return Ok(Outcome {
+                    skipped: true,
+                    ..Default::default()
+                });
+            }
+        };
+        let target_name = parsed.to_string();
+        let _guard = self.locks.lock(format!("{target}\0{target_name}")).await;
+        let err = |cause| Error::Containerd {
+            image: name.into(),
+            source_ns: source.into(),
+            target: target.into(),
+            cause,
+        };
+        // The latest source state, not the reply that triggered us: under the
+        // lock this makes racing writers converge on what containerd holds.
+        let Some(image) = self.c.get_image(source, name).await.map_err(err)? else {
+            tracing::debug!(
+                image = name,
+                source,
+                "source image gone before replication; nothing to do"
+            );
+            return Ok(Outcome::default());
+        };
+        let root = image.target.clone().ok_or_else(|| Error::NoTarget {
+            image: name.into(),
+            source_ns: source.into(),
+        })?;
+        let lease = OnceCell::new();
+        let walk = self.walk(source, target, &image.name, &root, &lease).await;
+        let (mut outcome, configs) = match walk {
+            Ok(w) => w,
+            Err(e) => {
+                self.release(target, &lease).await;
+                return Err(err(e));
+            }
+        };
+        let mut names = vec![target_name.clone()];
+        if self.s.digest_refs && parsed.digest.is_none() {
+            names.push(parsed.with_digest(&root.digest));
+        }
+        let mut records = Ok(());
+        for n in &names {
+            match self.put_record(source, target, n, &image, &root).await {
+                Ok(w) => outcome.writes += w,
+                Err(e) => {
+                    records = Err(err(e));
+                    break;
+                }
+            }
+        }
+        self.release(target, &lease).await;
+        records?;
+        outcome.names = names;
+        if target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0) {
+            self.wait_cri(target, &target_name, &configs).await?;
+        }
+        if outcome.writes > 0 || outcome.pending > 0 {
+            tracing::info!(image = name, source, target, replica = %target_name, writes = outcome.writes, pending = outcome.pending, "replicated");
+        }
+        Ok(outcome)
+    }
+
+    async fn release(&self, target: &str, lease: &OnceCell<String>) {
+        if let Some(id) = lease.get() {
+            if let Err(e) = self.c.delete_lease(target, id).await {
+                tracing::warn!(lease = %id, target, error = %e, "could not release lease; it expires on its own");
+            }
+        }
+    }
+
+    /// Walks the tree from `root`, making every present blob visible in
+    /// `target` and queueing missing ones. Returns the outcome and the config
+    /// digests seen (the image ids CRI may report).
+    async fn walk(
+        &self,
+        source: &str,
+        target: &str,
+        image: &str,
+        root: &Descriptor,
+        lease: &OnceCell<String>,
+    ) -> Result<(Outcome, Vec<String>), ctrd::Error> {
+        let mut outcome = Outcome::default();
+        let mut configs = Vec::new();
+        let mut queue = vec![Child {
+            media_type: root.media_type.clone(),
+            digest: root.digest.clone(),
+            size: root.size,
+        }];
+        let mut seen = std::collections::HashSet::new();
+        let mut running = FuturesUnordered::new();
+        loop {
+            while running.len() < PARALLEL {
+                let Some(c) = queue.pop() else { break };
+                if seen.insert(c.digest.clone()) {
+                    running.push(async move {
+                        let v = self.visit(source, target, &c, lease).await;
+                        (c, v)
+                    });
+                }
+            }
+            let Some((child, visit)) = running.next().await else {
+                break;
+            };
+            let v = visit?;
+            outcome.writes += v.writes;
+            if v.pending {
+                outcome.pending += 1;
+                self.pending.add(pending::Item {
+                    source: source.into(),
+                    target: target.into(),
+                    image: image.into(),
+                    child,
+                    since: Instant::now(),
+                });
+            }
+            configs.extend(v.config);
+            queue.extend(v.children);
+        }
+        Ok((outcome, configs))
+    }
+
+    /// One blob: present in source? parse children; make visible in target.
+    async fn visit(
+        &self,
+        source: &str,
+        target: &str,
+        c: &Child,
+        lease: &OnceCell<String>,
+    ) -> Result<Visit, ctrd::Error> {
+        let Some(info) = self.c.content_info(source, &c.digest).await? else {
+            return Ok(Visit {
+                pending: true,
+                ..Default::default()
+            });
+        };
+        let node = if tree::is_parent(&c.media_type) {
+            Some(self.node(source, &c.digest).await?)
+        } else {
+            None
+        };
+        let mut labels: HashMap<String, String> = info
+            .labels
+            .into_iter()
+            .filter(|(k, _)| k != EXPIRE_LABEL)
+            .collect();
+        if let Some(n) = &node {
+            // Children must stay alive in the target even if the source blob
+            // was written by a client that did not label it.
+            if !labels.keys().any(|k| k.starts_with(tree::GC_REF_PREFIX)) {
+                labels.extend(n.gc_labels());
+            }
+        }
+        let mut v = Visit::default();
+        match self.c.content_info(target, &c.digest).await? {
+            None => {
+                let id = lease
+                    .get_or_try_init(|| self.c.create_lease(target, LEASE_TTL))
+                    .await?;
+                self.c
+                    .link_or_copy(
+                        source,
+                        target,
+                        Some(id),
+                        BlobRef {
+                            digest: &c.digest,
+                            size: info.size,
+                            labels: &labels,
+                        },
+                    )
+                    .await?;
+                v.writes += 1;
+            }
+            Some(t) => {
+                let missing: HashMap<_, _> = labels
+                    .into_iter()
+                    .filter(|(k, val)| t.labels.get(k) != Some(val))
+                    .collect();
+                if !missing.is_empty() {
+                    self.c
+                        .update_content_labels(target, &c.digest, missing)
+                        .await?;
+                    v.writes += 1;
+                }
+            }
+        }
+        if let Some(n) = node {
+            v.config = n.config.as_ref().map(|c| c.digest.clone());
+            v.children = n.children().cloned().collect();
+        }
+        Ok(v)
+    }
+
+    /// Parsed index/manifest, cached by digest (content is immutable).
+    async fn node(&self, source: &str, digest: &str) -> Result<Arc<tree::Node>, ctrd::Error> {
+        if let Some(n) = self.nodes.lock().unwrap().get(digest) {
+            return Ok(n.clone());
+        }
+        let bytes = self
+            .c
+            .read_small(source, digest, tree::MAX_MANIFEST)
+            .await?;
+        let node = Arc::new(tree::parse(&bytes).map_err(|e| {
+            ctrd::Error::Protocol(format!(
+                "blob {digest} is not a valid manifest or index: {e}"
+            ))
+        })?);
+        let mut cache = self.nodes.lock().unwrap();
+        if cache.len() > 8192 {
+            cache.clear();
+        }
+        cache.insert(digest.into(), node.clone());
+        Ok(node)
+    }
+
+    /// Writes the record `name` in `target` if it differs; returns writes.
+    async fn put_record(
+        &self,
+        source: &str,
+        target: &str,
+        name: &str,
+        image: &Image,
+        root: &Descriptor,
+    ) -> Result<usize, ctrd::Error> {
+        let existing = self.c.get_image(target, name).await?;
+        let mut labels: HashMap<String, String> = image
+            .labels
+            .iter()
+            .filter(|(k, _)| k.as_str() != EXPIRE_LABEL && !k.starts_with("io.cri-containerd."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        labels.insert(SOURCE_LABEL.into(), source.into());
+        if self.s.pin {
+            labels.insert(PINNED_LABEL.into(), "pinned".into());
+        }
+        if let Some(e) = &existing {
+            let same_target = e.target.as_ref().map(|t| &t.digest) == Some(&root.digest);
+            for (k, v) in &e.labels {
+                // Keep what others own: the importer's pin, CRI's management
+                // marker (only while the digest is unchanged).
+                let keep = k == IMPORT_LABEL
+                    || (k == PINNED_LABEL
+                        && (e.labels.contains_key(IMPORT_LABEL)
+                            || !e.labels.contains_key(SOURCE_LABEL)))
+                    || (k == CRI_MANAGED_LABEL && same_target);
+                if keep {
+                    labels.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+            }
+            if same_target && e.target.as_ref() == Some(root) && e.labels == labels {
+                return Ok(0);
+            }
+        }
+        let record = Image {
+            name: name.into(),
+            labels,
+            target: Some(root.clone()),
+            ..Default::default()
+        };
+        match existing {
+            Some(_) => match self
+                .c
+                .update_image(target, record.clone(), Vec::new())
+                .await
+            {
+                Err(e) if e.is(tonic::Code::NotFound) => {
+                    self.c.put_image(target, record).await?;
+                }
+                r => {
+                    r?;
+                }
+            },
+            None => {
+                self.c.put_image(target, record).await?;
+            }
+        }
+        Ok(1)
+    }
+
+    /// Polls CRI until `name` resolves to one of `configs` (any id if the
+    /// config is not known yet).
+    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> Result<(), Error> {
+        let has_cri = *self
+            .cri
+            .get_or_init(|| async { self.c.has_cri().await.unwrap_or(false) })
+            .await;
+        if !has_cri || configs.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.s.cri_wait;
+        let mut delay = Duration::from_millis(1);
+        loop {
+            match self.c.cri_image_id(name).await {
+                Ok(Some(id)) if configs.contains(&id) => return Ok(()),
+                Ok(_) => {}
+                Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::CriWait {
+                    name: name.into(),
+                    target: target.into(),
+                    expected: configs.to_vec(),
+                    after: self.s.cri_wait,
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(25));
+        }
+    }
+
+    /// Applies `delete_policy` to the replicas of `name` deleted in `source`.
+    pub async fn on_delete(&self, source: &str, name: &str) -> Result<(), Error> {
+        let Ok(parsed) = Reference::parse(name) else {
+            return Ok(());
+        };
+        let target_name = parsed.to_string();
+        for target in &self.s.targets {
+            let _g = self.locks.lock(format!("{target}\0{target_name}")).await;
+            let err = |cause| Error::Containerd {
+                image: name.into(),
+                source_ns: source.into(),
+                target: target.clone(),
+                cause,
+            };
+            let Some(img) = self.c.get_image(target, &target_name).await.map_err(err)? else {
+                continue;
+            };
+            if img.labels.get(SOURCE_LABEL).map(String::as_str) != Some(source) {
+                continue; // not ours: never touched
+            }
+            match self.s.delete_policy {
+                DeletePolicy::Keep => {}
+                DeletePolicy::Delete => {
+                    self.c
+                        .delete_image(target, &target_name, false)
+                        .await
+                        .map_err(err)?;
+                    tracing::info!(image = name, source, target = %target, "deleted replica (delete_policy = delete)");
+                }
+                DeletePolicy::Unpin => {
+                    if img.labels.contains_key(PINNED_LABEL)
+                        && !img.labels.contains_key(IMPORT_LABEL)
+                    {
+                        let mut labels = HashMap::new();
+                        labels.insert(PINNED_LABEL.to_string(), String::new());
+                        let rec = Image {
+                            name: target_name.clone(),
+                            labels,
+                            ..Default::default()
+                        };
+                        self.c
+                            .update_image(target, rec, vec![format!("labels.{PINNED_LABEL}")])
+                            .await
+                            .map_err(err)?;
+                        tracing::info!(image = name, source, target = %target, "unpinned replica (delete_policy = unpin)");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The proxy path: replicate, then apply `on_failure`. An error here is
+    /// what the caller receives.
+    pub async fn on_write(self: &Arc<Self>, source: &str, name: &str) -> Result<(), tonic::Status> {
+        let me = self.clone();
+        let (src, n) = (source.to_string(), name.to_string());
+        // Detached: a caller that gives up must not leave a replica half done.
+        let res = tokio::spawn(async move { me.replicate(&src, &n, true).await })
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::Containerd {
+                    image: name.into(),
+                    source_ns: source.into(),
+                    target: "*".into(),
+                    cause: ctrd::Error::Protocol(format!("replication task failed: {e}")),
+                })
+            });
+        match res {
+            Ok(_) => Ok(()),
+            Err(e) => match self.s.on_failure {
+                OnFailure::Fail => Err(tonic::Status::internal(format!(
+                    "imgbridge: image {name} was stored in namespace {source} (kept), but {e}"
+                ))),
+                OnFailure::Warn => {
+                    tracing::warn!(image = name, source, error = %e, "replication failed; replying OK (on_failure = warn) and retrying in the background");
+                    self.retry_later(source, name);
+                    Ok(())
+                }
+            },
+        }
+    }
+
+    fn retry_later(self: &Arc<Self>, source: &str, name: &str) {
+        let (me, src, n) = (self.clone(), source.to_string(), name.to_string());
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let mut delay = Duration::from_secs(1);
+            while start.elapsed() < me.s.pending_give_up {
+                tokio::time::sleep(delay).await;
+                match me.replicate(&src, &n, false).await {
+                    Ok(_) => {
+                        tracing::info!(image = %n, source = %src, "background retry replicated the image");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(image = %n, source = %src, error = %e, "background retry failed")
+                    }
+                }
+                delay = (delay * 2).min(Duration::from_secs(60));
+            }
+            tracing::error!(image = %n, source = %src, "gave up retrying replication; run `imgbridge sync` once the cause is fixed");
+        });
+    }
+}
