@@ -47,6 +47,17 @@ pub async fn serve(
     let containerd = Containerd::new(&config.upstream);
     let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication));
     tasks.push(replicator.start(stop.clone()));
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if config.reconcile.enabled {
+        tasks.push(tokio::spawn(crate::reconcile::run(
+            replicator.clone(),
+            config.reconcile.events,
+            ready.clone(),
+            stop.clone(),
+        )));
+    } else {
+        ready.store(true, std::sync::atomic::Ordering::Release);
+    }
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));
     let result = proxy::serve(listener, pc, hooks, shutdown).await;
     stop.cancel();

@@ -8,6 +8,7 @@ pub mod app;
 pub mod config;
 pub mod containerd;
 pub mod proxy;
+pub mod reconcile;
 pub mod reference;
 pub mod replicate;
 

@@ -19,6 +19,14 @@ struct Cli {
 enum Command {
     /// Proxy containerd's socket, replicating source-namespace images.
     Serve(ServeArgs),
+    /// Run one reconcile pass (repair every target), then exit 0, or 1 listing what could not be repaired.
+    Sync(SyncArgs),
+}
+
+#[derive(Args)]
+struct SyncArgs {
+    #[command(flatten)]
+    common: Common,
 }
 
 #[derive(Args)]
@@ -75,6 +83,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(a) => serve(a),
+        Command::Sync(a) => sync(a),
     }
 }
 
@@ -126,6 +135,32 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("imgbridge stopped");
         res.map_err(anyhow::Error::from)
     })
+}
+
+fn sync(a: SyncArgs) -> anyhow::Result<()> {
+    let c = a.common.load()?;
+    c.validate()?;
+    init_logging(&c);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let report = rt.block_on(async {
+        let containerd = imgbridge::containerd::Containerd::new(&c.upstream);
+        containerd
+            .version()
+            .await
+            .with_context(|| format!("containerd at {} is not reachable", c.upstream.display()))?;
+        let r = imgbridge::replicate::Replicator::new(containerd, (&c.replication).into());
+        anyhow::Ok(imgbridge::reconcile::pass(&r).await)
+    })?;
+    println!("checked {} images, {} writes", report.images, report.writes);
+    if report.failed.is_empty() {
+        return Ok(());
+    }
+    for (img, e) in &report.failed {
+        println!("could not repair {img}: {e}");
+    }
+    std::process::exit(1);
 }
 
 async fn shutdown_signal() {

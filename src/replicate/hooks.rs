@@ -1,7 +1,12 @@
 //! Which proxied calls trigger replication: image writes and deletes in a
 //! source namespace. This is the policy the transport knows nothing about.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+
+use bytes::Bytes;
+use containerd_client::services::v1::TransferRequest;
+use prost::Message;
 
 use containerd_client::services::v1::{
     CreateImageRequest, CreateImageResponse, DeleteImageRequest, UpdateImageRequest,
@@ -9,11 +14,15 @@ use containerd_client::services::v1::{
 };
 
 use super::Replicator;
-use crate::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
+use crate::containerd::Descriptor;
+use crate::proxy::intercept::{typed, CallInfo, Hook, HookFuture, Interceptor};
 
 pub const CREATE: &str = "/containerd.services.images.v1.Images/Create";
 pub const UPDATE: &str = "/containerd.services.images.v1.Images/Update";
 pub const DELETE: &str = "/containerd.services.images.v1.Images/Delete";
+pub const TRANSFER: &str = "/containerd.services.transfer.v1.Transfer/Transfer";
+/// Transfer destination that stores images (pull, tag, import).
+pub const IMAGE_STORE: &str = "containerd.types.transfer.ImageStore";
 
 /// Interceptor holding image writes in source namespaces until replicated.
 pub struct ImageHooks {
@@ -59,7 +68,79 @@ impl Interceptor for ImageHooks {
                 }
                 Ok(())
             })),
+            TRANSFER => Some(Box::new(TransferHook {
+                r,
+                ns,
+                before: None,
+            })),
             _ => None,
         }
+    }
+}
+
+/// Transfer (containerd 1.7/2.x) stores images server-side, so the names
+/// are not on the wire: list the namespace before and after, replicate what
+/// changed (reference §3).
+struct TransferHook {
+    r: Arc<Replicator>,
+    ns: String,
+    before: Option<HashMap<String, Snapshot>>,
+}
+
+type Snapshot = (Option<Descriptor>, Option<prost_types::Timestamp>);
+
+impl TransferHook {
+    async fn snapshot(&self) -> Result<HashMap<String, Snapshot>, tonic::Status> {
+        let images = self
+            .r
+            .containerd()
+            .list_images(&self.ns, Vec::new())
+            .await
+            .map_err(|e| {
+                tonic::Status::unavailable(format!(
+                    "imgbridge: listing images in {} around Transfer: {e}",
+                    self.ns
+                ))
+            })?;
+        Ok(images
+            .into_iter()
+            .map(|i| (i.name, (i.target, i.updated_at)))
+            .collect())
+    }
+}
+
+impl Hook for TransferHook {
+    fn before<'a>(&'a mut self, request: &'a Bytes) -> HookFuture<'a> {
+        Box::pin(async move {
+            let Ok(req) = TransferRequest::decode(request.clone()) else {
+                return Ok(()); // containerd judges malformed requests
+            };
+            let stores_images = req.destination.as_ref().is_some_and(|d| {
+                d.type_url.trim_start_matches("type.googleapis.com/") == IMAGE_STORE
+            });
+            if stores_images {
+                self.before = Some(self.snapshot().await?);
+            }
+            Ok(())
+        })
+    }
+
+    fn after(self: Box<Self>, _request: Bytes, _response: Bytes) -> HookFuture<'static> {
+        Box::pin(async move {
+            let Some(before) = &self.before else {
+                return Ok(());
+            };
+            let after = self.snapshot().await?;
+            let mut changed: Vec<_> = after
+                .iter()
+                .filter(|(name, snap)| before.get(*name) != Some(snap))
+                .map(|(name, _)| name.clone())
+                .collect();
+            changed.sort();
+            for name in changed {
+                self.r.on_write(&self.ns, &name).await?;
+            }
+            Ok(())
+        })
     }
 }

@@ -1,0 +1,199 @@
+//! Catch-up for images that did not come through the proxy's Images calls:
+//! a full pass at start and after every reconnect, and an events
+//! subscription as a backstop. Both reuse the one replication path.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use containerd_client::services::v1::{ImageCreate, ImageDelete, ImageUpdate, SubscribeRequest};
+use futures_util::stream::{self, StreamExt};
+use prost::Message;
+use tokio_util::sync::CancellationToken;
+
+use crate::containerd::request;
+use crate::replicate::Replicator;
+
+/// Images replicated at once during a pass.
+const PASS_PARALLEL: usize = 8;
+
+/// Result of one pass.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub images: usize,
+    pub writes: usize,
+    pub failed: Vec<(String, String)>,
+}
+
+/// Lists every source namespace and repairs every target. Idempotent: a pass
+/// over images already in sync performs zero writes.
+pub async fn pass(r: &Replicator) -> Report {
+    let mut report = Report::default();
+    for ns in &r.settings().sources {
+        let images = match r.containerd().list_images(ns, Vec::new()).await {
+            Ok(i) => i,
+            Err(e) => {
+                report.failed.push((format!("{ns}/*"), e.to_string()));
+                continue;
+            }
+        };
+        let results: Vec<_> = stream::iter(images)
+            .map(|img| async move {
+                let res = r.replicate(ns, &img.name, false).await;
+                (img.name, res)
+            })
+            .buffer_unordered(PASS_PARALLEL)
+            .collect()
+            .await;
+        for (name, res) in results {
+            report.images += 1;
+            match res {
+                Ok(o) => report.writes += o.writes,
+                Err(e) => report.failed.push((format!("{ns}/{name}"), e.to_string())),
+            }
+        }
+    }
+    report
+}
+
+/// Keeps targets in sync until `shutdown`: pass, subscribe, follow events;
+/// on any break (containerd restart) wait for it, pass again, resubscribe.
+/// `ready` is set after the first completed pass.
+pub async fn run(
+    r: Arc<Replicator>,
+    events: bool,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        if shutdown.is_cancelled() {
+            return;
+        }
+        if r.containerd().version().await.is_err() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+            continue;
+        }
+        backoff = Duration::from_millis(50);
+        // Subscribe before the pass so nothing written in between is missed.
+        let sub = if events { subscribe(&r).await } else { None };
+        let report = pass(&r).await;
+        log_report(&report);
+        ready.store(true, Ordering::Release);
+        match sub {
+            Some(stream) => {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = follow(&r, stream) => {
+                        tracing::warn!("event subscription ended (containerd restarted?); reconnecting and running a catch-up pass");
+                    }
+                }
+            }
+            None if events => {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+            None => {
+                // No events: watch for restarts by polling, re-pass on return.
+                wait_for_restart(&r, &shutdown).await;
+            }
+        }
+    }
+}
+
+fn log_report(report: &Report) {
+    if report.failed.is_empty() {
+        tracing::info!(
+            images = report.images,
+            writes = report.writes,
+            "reconcile pass done"
+        );
+    } else {
+        for (img, e) in &report.failed {
+            tracing::warn!(image = %img, error = %e, "reconcile could not repair image");
+        }
+        tracing::warn!(
+            images = report.images,
+            writes = report.writes,
+            failed = report.failed.len(),
+            "reconcile pass done with failures"
+        );
+    }
+}
+
+async fn wait_for_restart(r: &Replicator, shutdown: &CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        if r.containerd().version().await.is_err() {
+            return;
+        }
+    }
+}
+
+type Events = tonic::Streaming<containerd_client::types::Envelope>;
+
+async fn subscribe(r: &Replicator) -> Option<Events> {
+    let filters = r
+        .settings()
+        .sources
+        .iter()
+        .map(|ns| format!("namespace=={ns},topic~=\"^/images/\""))
+        .collect();
+    match r
+        .containerd()
+        .events()
+        .subscribe(request("", None, SubscribeRequest { filters }))
+        .await
+    {
+        Ok(s) => Some(s.into_inner()),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot subscribe to image events; relying on passes only");
+            None
+        }
+    }
+}
+
+async fn follow(r: &Replicator, mut events: Events) {
+    loop {
+        let env = match events.message().await {
+            Ok(Some(e)) => e,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "event stream error");
+                return;
+            }
+        };
+        let Some(any) = env.event else { continue };
+        if !r.is_source(&env.namespace) {
+            continue;
+        }
+        let ns = env.namespace.as_str();
+        let res = match env.topic.as_str() {
+            "/images/create" => match ImageCreate::decode(any.value.as_slice()) {
+                Ok(e) => r.replicate(ns, &e.name, false).await.map(|_| ()),
+                Err(_) => continue,
+            },
+            "/images/update" => match ImageUpdate::decode(any.value.as_slice()) {
+                Ok(e) => r.replicate(ns, &e.name, false).await.map(|_| ()),
+                Err(_) => continue,
+            },
+            "/images/delete" => match ImageDelete::decode(any.value.as_slice()) {
+                Ok(e) => r.on_delete(ns, &e.name).await,
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        if let Err(e) = res {
+            tracing::warn!(namespace = ns, topic = %env.topic, error = %e, "event-driven replication failed; the next pass retries");
+        }
+    }
+}
