@@ -24,7 +24,8 @@
 //!   by `-address <our socket>` on the shim command line) are ever signalled.
 //!
 //! All temporary files live under one per-process scratch dir
-//! (`$TMPDIR/imgbridge-test-XXXXXX`). Set `IMGBRIDGE_TEST_KEEP=1` to keep it
+//! (`$TMPDIR/imgbridge-test-<pid>-XXXXXX`; dirs of SIGKILLed test processes are
+//! swept when the next test process starts). Set `IMGBRIDGE_TEST_KEEP=1` to keep it
 //! for post-mortem inspection (its path is printed once).
 //!
 //! # Waiting
@@ -314,16 +315,47 @@ impl Drop for Daemon {
 pub fn scratch_root() -> &'static Path {
     SCRATCH.get_or_init(|| {
         ensure_atexit();
+        sweep_stale_scratch_dirs();
         let dir = tempfile::Builder::new()
-            .prefix("imgbridge-test-")
+            .prefix(&format!("imgbridge-test-{}-", std::process::id()))
             .tempdir()
             .expect("cannot create scratch dir")
             .keep();
         if keep_tmp() {
+            // The marker stops later test processes from sweeping it.
+            let _ = fs::write(dir.join("KEEP"), b"IMGBRIDGE_TEST_KEEP was set\n");
             eprintln!("imgbridge test scratch dir (kept): {}", dir.display());
         }
         dir
     })
+}
+
+/// Removes `$TMPDIR/imgbridge-test-<pid>-*` dirs left by test processes that
+/// were SIGKILLed (their pid no longer exists), after detaching any mounts.
+/// Dirs kept on purpose (`IMGBRIDGE_TEST_KEEP`, marker file `KEEP`) stay.
+fn sweep_stale_scratch_dirs() {
+    let Ok(rd) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("imgbridge-test-"))
+        else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() || e.path().join("KEEP").exists() {
+            continue;
+        }
+        let path = e.path();
+        if unmount_under(&path) == 0 {
+            let _ = fs::remove_dir_all(&path);
+        }
+    }
 }
 
 /// A fresh temp dir below [`scratch_root`].
