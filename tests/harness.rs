@@ -273,3 +273,75 @@ fn count_shims_for(sock: &std::path::Path) -> usize {
         })
         .count()
 }
+
+/// Image builder: extra layers with distinct files, random payload, the three
+/// export formats, and digests that match what containerd stores.
+#[test]
+fn image_builder_variants() {
+    let img = TestImage::build(
+        "example.com/team/harness-e:v3",
+        2,
+        &["/bin/busybox", "true"],
+        1 << 20,
+    );
+    assert_eq!(img.normalized(), "example.com/team/harness-e:v3");
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            img.layout()
+                .join("blobs/sha256")
+                .join(img.manifest_digest().trim_start_matches("sha256:")),
+        )
+        .expect("manifest blob"),
+    )
+    .expect("manifest json");
+    let layers = manifest["layers"].as_array().expect("layers");
+    assert_eq!(layers.len(), 3, "{manifest}");
+    let digests: std::collections::HashSet<&str> =
+        layers.iter().filter_map(|l| l["digest"].as_str()).collect();
+    assert_eq!(digests.len(), 3, "layer digests must differ: {manifest}");
+    for l in &layers[1..] {
+        // 1 MiB of random data does not compress.
+        assert!(l["size"].as_u64().unwrap_or(0) > 1 << 20, "{l}");
+    }
+
+    let cd = Containerd::start(ContainerdOpts::default());
+    let sock = cd.socket();
+    // docker-archive: named by the archive's repo tag.
+    let docker = img.docker_archive();
+    cd.ctr_ok("t1", ["images", "import", docker.to_str().expect("utf-8")]);
+    let ls = cd.ctr_ok("t1", ["images", "ls", "-q"]);
+    assert!(ls.lines().any(|l| l == img.normalized()), "{ls}");
+    // oci-archive: ref.name is the normalised name; keep it via --base-name.
+    let oci = img.oci_archive();
+    cd.ctr_ok(
+        "t2",
+        [
+            "images",
+            "import",
+            "--base-name",
+            "example.com/team/harness-e",
+            oci.to_str().expect("utf-8"),
+        ],
+    );
+    let ls = cd.ctr_ok("t2", ["images", "ls"]);
+    let line = ls
+        .lines()
+        .find(|l| l.starts_with(&img.normalized()))
+        .unwrap_or_else(|| panic!("{} not imported:\n{ls}", img.normalized()));
+    assert!(line.contains(&img.manifest_digest()), "{line}");
+    // The config blob is the layout's config, byte for byte.
+    let cfg = ctr_ok(sock, "t2", ["content", "get", &img.config_digest()]);
+    assert!(cfg.contains("\"/bin/busybox\",\"true\""), "{cfg}");
+    // Files of the extra layers are in the unpacked rootfs.
+    let mnt = tempdir("mnt-");
+    let target = mnt.path().to_str().expect("utf-8");
+    cd.ctr_ok("t2", ["images", "mount", &img.normalized(), target]);
+    let txt = std::fs::read_to_string(mnt.path().join("layer2.txt"));
+    let bin = std::fs::metadata(mnt.path().join("layer1.bin")).map(|m| m.len());
+    cd.ctr_ok("t2", ["images", "unmount", target]);
+    assert_eq!(
+        txt.expect("layer2.txt"),
+        "layer 2 of example.com/team/harness-e:v3\n"
+    );
+    assert_eq!(bin.expect("layer1.bin"), 1 << 20);
+}
