@@ -80,11 +80,12 @@ pub const STOP_GRACE: Duration = Duration::from_secs(10);
 
 struct Registered {
     pid: i32,
-    /// For containerd: its gRPC address, used to find its shims at exit.
-    shim_address: Option<PathBuf>,
 }
 
 static REGISTRY: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+/// gRPC addresses of containerds started here and not yet dropped; their
+/// shims are killed at exit (even if the containerd was already reaped).
+static SHIM_ADDRESSES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 static ATEXIT: Once = Once::new();
 static OWNER_PID: AtomicU32 = AtomicU32::new(0);
 static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
@@ -122,10 +123,10 @@ extern "C" fn cleanup_at_exit() {
                 libc::waitpid(e.pid, std::ptr::null_mut(), 0);
             }
         }
-        for e in &entries {
-            if let Some(addr) = &e.shim_address {
-                kill_shims(addr);
-            }
+        let addresses =
+            std::mem::take(&mut *SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner()));
+        for addr in &addresses {
+            kill_shims(addr);
         }
         if let Some(root) = SCRATCH.get() {
             if keep_tmp() {
@@ -138,7 +139,7 @@ extern "C" fn cleanup_at_exit() {
     });
 }
 
-type SpawnRequest = (Command, Option<PathBuf>, mpsc::Sender<io::Result<Child>>);
+type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
 
 fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
     static TX: OnceLock<mpsc::Sender<SpawnRequest>> = OnceLock::new();
@@ -148,7 +149,7 @@ fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
         thread::Builder::new()
             .name("daemon-spawner".into())
             .spawn(move || {
-                for (mut cmd, shim_address, reply) in rx {
+                for (mut cmd, reply) in rx {
                     // Hold the registry lock across spawn+register so the
                     // atexit handler can never miss a live child.
                     let mut reg = registry();
@@ -156,7 +157,6 @@ fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
                     if let Ok(child) = &res {
                         reg.push(Registered {
                             pid: child.id() as i32,
-                            shim_address,
                         });
                     }
                     drop(reg);
@@ -170,7 +170,7 @@ fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
 
 /// Spawns `cmd` as a daemon: death signal SIGKILL (tied to the long-lived
 /// spawner thread, i.e. to this process), pid recorded in the registry.
-fn spawn_daemon(mut cmd: Command, shim_address: Option<PathBuf>) -> io::Result<Child> {
+fn spawn_daemon(mut cmd: Command) -> io::Result<Child> {
     // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -189,7 +189,7 @@ fn spawn_daemon(mut cmd: Command, shim_address: Option<PathBuf>) -> io::Result<C
     }
     let (tx, rx) = mpsc::channel();
     spawner()
-        .send((cmd, shim_address, tx))
+        .send((cmd, tx))
         .expect("daemon spawner thread is gone");
     rx.recv().expect("daemon spawner thread is gone")
 }
@@ -203,7 +203,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn spawn(name: &str, mut cmd: Command, log: &Path, shim_address: Option<PathBuf>) -> Daemon {
+    fn spawn(name: &str, mut cmd: Command, log: &Path) -> Daemon {
         let file = File::options()
             .create(true)
             .append(true)
@@ -214,8 +214,8 @@ impl Daemon {
             .stdout(Stdio::from(file))
             .stderr(Stdio::from(err));
         let program = format!("{:?}", cmd.get_program());
-        let child = spawn_daemon(cmd, shim_address)
-            .unwrap_or_else(|e| panic!("cannot spawn {name} ({program}): {e}"));
+        let child =
+            spawn_daemon(cmd).unwrap_or_else(|e| panic!("cannot spawn {name} ({program}): {e}"));
         Daemon {
             name: name.to_string(),
             child: Some(child),
@@ -965,12 +965,12 @@ impl Containerd {
         // Keep containerd away from any system-wide client settings.
         cmd.env_remove("CONTAINERD_ADDRESS")
             .env_remove("CONTAINERD_NAMESPACE");
-        Daemon::spawn(
-            "containerd",
-            cmd,
-            &dir.join("containerd.log"),
-            Some(sock.to_path_buf()),
-        )
+        let mut addrs = SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner());
+        if !addrs.iter().any(|a| a == sock) {
+            addrs.push(sock.to_path_buf());
+        }
+        drop(addrs);
+        Daemon::spawn("containerd", cmd, &dir.join("containerd.log"))
     }
 
     fn wait_ready(&mut self) {
@@ -1150,6 +1150,10 @@ impl Drop for Containerd {
         }
         self.daemon.stop();
         kill_shims(&self.sock);
+        SHIM_ADDRESSES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|a| a != &self.sock);
         if keep_tmp() {
             return;
         }
@@ -1606,12 +1610,8 @@ impl Registry {
             .expect("write registry config");
             let mut cmd = Command::new("docker-registry");
             cmd.arg("serve").arg(&config);
-            let mut daemon = Daemon::spawn(
-                "docker-registry",
-                cmd,
-                &dir.path().join("registry.log"),
-                None,
-            );
+            let mut daemon =
+                Daemon::spawn("docker-registry", cmd, &dir.path().join("registry.log"));
             let addr = format!("127.0.0.1:{port}");
             let ready = poll(READY_TIMEOUT, || {
                 if let Some(st) = daemon.try_reap() {
@@ -1681,7 +1681,7 @@ impl Imgbridge {
             .args(extra_args)
             .env("RUST_LOG", "imgbridge=debug,info")
             .env("RUST_BACKTRACE", "1");
-        let daemon = Daemon::spawn("imgbridge", cmd, &log, None);
+        let daemon = Daemon::spawn("imgbridge", cmd, &log);
         let mut b = Imgbridge {
             daemon,
             sock,
