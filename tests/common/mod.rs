@@ -1671,6 +1671,26 @@ impl Imgbridge {
     pub fn start(upstream_sock: &Path, extra_args: &[&str]) -> Imgbridge {
         let dir = tempdir("imgbridge-");
         let sock = dir.path().join("imgbridge.sock");
+        Self::start_in(dir, sock, upstream_sock, extra_args)
+    }
+
+    /// Like [`Imgbridge::start`] but listening on `sock` (e.g. over a stale
+    /// socket file).
+    pub fn start_at(sock: &Path, upstream_sock: &Path, extra_args: &[&str]) -> Imgbridge {
+        Self::start_in(
+            tempdir("imgbridge-"),
+            sock.to_path_buf(),
+            upstream_sock,
+            extra_args,
+        )
+    }
+
+    fn start_in(
+        dir: TempDir,
+        sock: PathBuf,
+        upstream_sock: &Path,
+        extra_args: &[&str],
+    ) -> Imgbridge {
         let log = dir.path().join("imgbridge.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbridge"));
         cmd.arg("serve")

@@ -1,0 +1,736 @@
+//! The transparent proxy against a real containerd 1.6: every call shape,
+//! errors, sockets, signals and restarts. Namespaces here are not source
+//! namespaces (except where a test says so), so calls are pure passthrough.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream as StdUnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use containerd_client::services::v1 as api;
+use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
+use prost::Message;
+use sha2::Digest;
+
+const NS: &str = "dev";
+
+fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn ctr_version_plugins_namespaces_through_proxy() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let v = ctr_ok(p.socket(), NS, ["version"]);
+    assert!(v.contains("Server:") && v.contains("1.6"), "{v}");
+    let plugins = ctr_ok(p.socket(), NS, ["plugins", "ls"]);
+    assert!(plugins.contains("io.containerd.content.v1"), "{plugins}");
+    ctr_ok(
+        p.socket(),
+        "proxied-ns",
+        ["namespaces", "create", "proxied-ns"],
+    );
+    let direct = ctr_ok(c.socket(), NS, ["namespaces", "ls", "-q"]);
+    assert!(direct.lines().any(|l| l == "proxied-ns"), "{direct}");
+}
+
+#[test]
+fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let dir = tempdir("blob-");
+    let blob = dir.path().join("blob");
+    let mut data = vec![0u8; 64 << 20];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut data);
+    std::fs::write(&blob, &data).unwrap();
+    let digest = format!("sha256:{}", sha256_hex(&data));
+    let rss_before = rss_kib(p.pid());
+    let sh = format!(
+        "ctr -a {} -n {NS} content ingest --expected-size {} --expected-digest {digest} ref-64 < {}",
+        p.socket().display(),
+        data.len(),
+        blob.display()
+    );
+    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ingest: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = Command::new("ctr")
+        .args([
+            "-a",
+            p.socket().to_str().unwrap(),
+            "-n",
+            NS,
+            "content",
+            "get",
+            &digest,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        got.status.success(),
+        "get: {}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert_eq!(got.stdout.len(), data.len());
+    assert_eq!(format!("sha256:{}", sha256_hex(&got.stdout)), digest);
+    let grown = rss_kib(p.pid()).saturating_sub(rss_before);
+    assert!(
+        grown < 32 * 1024,
+        "proxy RSS grew by {grown} KiB moving 2 x 64 MiB: streams are being buffered"
+    );
+}
+
+#[test]
+fn images_import_pull_tag_label_rm_and_ctr_run() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("proxyimg:1");
+    let archive = img.docker_archive();
+    let s = p.socket();
+    ctr_ok(s, NS, ["images", "import", archive.to_str().unwrap()]);
+    let name = img.normalized();
+    assert!(ctr_ok(c.socket(), NS, ["images", "ls", "-q"]).contains(&name));
+
+    let reg = Registry::start();
+    let pushed = img.push(&reg.addr());
+    ctr_ok(s, "pullns", ["images", "pull", "--plain-http", &pushed]);
+    assert!(ctr_ok(c.socket(), "pullns", ["images", "ls", "-q"]).contains(&pushed));
+
+    ctr_ok(
+        s,
+        NS,
+        ["images", "tag", &name, "docker.io/library/proxyimg:tagged"],
+    );
+    ctr_ok(
+        s,
+        NS,
+        [
+            "images",
+            "label",
+            "docker.io/library/proxyimg:tagged",
+            "team=a",
+        ],
+    );
+    let ls = ctr_ok(c.socket(), NS, ["images", "ls"]);
+    assert!(
+        ls.contains("proxyimg:tagged") && ls.contains("team=a"),
+        "{ls}"
+    );
+    ctr_ok(s, NS, ["images", "rm", "docker.io/library/proxyimg:tagged"]);
+    assert!(!ctr_ok(c.socket(), NS, ["images", "ls", "-q"]).contains("proxyimg:tagged"));
+
+    let out = ctr_ok(s, NS, ["run", "--rm", &name, &unique_name("ctr-run")]);
+    assert!(
+        out.contains(&hello_text("proxyimg:1")),
+        "ctr run output: {out}"
+    );
+}
+
+#[tokio::test]
+async fn events_subscription_sees_image_event() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let mut events = api::events_client::EventsClient::new(containerd_channel(p.socket()).await);
+    let mut stream = events
+        .subscribe(api::SubscribeRequest {
+            filters: vec![format!("namespace=={NS},topic~=\"^/images/\"")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await);
+    images
+        .create(with_ns(
+            api::CreateImageRequest {
+                image: Some(api::Image {
+                    name: "evt:1".into(),
+                    target: Some(containerd_client::types::Descriptor {
+                        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                        digest: format!("sha256:{}", "0".repeat(64)),
+                        size: 1,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            NS,
+        ))
+        .await
+        .unwrap();
+    let env = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("no event within 10 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(env.topic, "/images/create");
+    let ev = api::ImageCreate::decode(env.event.unwrap().value.as_slice()).unwrap();
+    assert_eq!(ev.name, "evt:1");
+}
+
+#[tokio::test]
+async fn cri_image_status_and_pod_through_proxy() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("criproxy:1");
+    c.ctr_ok(
+        "k8s.io",
+        ["images", "import", img.docker_archive().to_str().unwrap()],
+    );
+    let name = img.normalized();
+    let st = poll_async(Duration::from_secs(10), || cri_image_status(p.socket(), &name))
+    .await
+    .expect("CRI ImageStatus through the proxy");
+    assert_eq!(st.id, img.config_digest());
+    let pod = run_pod(
+        p.socket(),
+        &img.normalized(),
+        &[],
+        &hello_text("criproxy:1"),
+    )
+    .await;
+    assert!(pod.log().contains(&hello_text("criproxy:1")));
+    pod.cleanup().await;
+}
+
+/// Raw unary call with an arbitrary path, so unknown services can be tried.
+async fn raw_call(
+    sock: &Path,
+    path: &'static str,
+    ns: &str,
+    msg: Vec<u8>,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut g = tonic::client::Grpc::new(containerd_channel(sock).await);
+    g.ready().await.unwrap();
+    let codec: tonic_prost::ProstCodec<RawMsg, RawMsg> = tonic_prost::ProstCodec::default();
+    g.unary(
+        with_ns(RawMsg(msg), ns),
+        http::uri::PathAndQuery::from_static(path),
+        codec,
+    )
+    .await
+    .map(|r| r.into_inner().0)
+}
+
+/// A message whose encoding is its bytes (for raw calls).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct RawMsg(Vec<u8>);
+
+impl Message for RawMsg {
+    fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
+        buf.put_slice(&self.0);
+    }
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl bytes::Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+    fn encoded_len(&self) -> usize {
+        self.0.len()
+    }
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+#[tokio::test]
+async fn unknown_service_and_errors_match_containerd() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let e = raw_call(
+        p.socket(),
+        "/containerd.services.nosuch.v1.Nope/Call",
+        NS,
+        vec![],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
+    assert!(e.message().contains("unknown service"), "{e:?}");
+
+    let mut errs = Vec::new();
+    for sock in [c.socket().to_path_buf(), p.socket().to_path_buf()] {
+        let mut images = api::images_client::ImagesClient::new(containerd_channel(&sock).await);
+        let nf = images
+            .get(with_ns(
+                api::GetImageRequest {
+                    name: "missing:1".into(),
+                },
+                NS,
+            ))
+            .await
+            .unwrap_err();
+        let img = api::Image {
+            name: format!("dup-{}", errs.len()),
+            target: Some(containerd_client::types::Descriptor {
+                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                digest: format!("sha256:{}", "1".repeat(64)),
+                size: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let create = |i: api::Image| {
+            with_ns(
+                api::CreateImageRequest {
+                    image: Some(i),
+                    ..Default::default()
+                },
+                NS,
+            )
+        };
+        images.create(create(img.clone())).await.unwrap();
+        let ae = images.create(create(img)).await.unwrap_err();
+        let noname = images
+            .get(tonic::Request::new(api::GetImageRequest {
+                name: "x".into(),
+            }))
+            .await
+            .unwrap_err();
+        errs.push([
+            (nf.code(), nf.message().to_string()),
+            (ae.code(), ae.message().replace("dup-1", "dup-0")),
+            (noname.code(), noname.message().to_string()),
+        ]);
+    }
+    assert_eq!(errs[0][0].0, tonic::Code::NotFound);
+    assert_eq!(errs[0][1].0, tonic::Code::AlreadyExists);
+    assert_eq!(errs[0][2].0, tonic::Code::FailedPrecondition);
+    assert_eq!(
+        errs[0], errs[1],
+        "proxy must relay containerd's codes and messages"
+    );
+}
+
+#[tokio::test]
+async fn large_metadata_and_large_messages_pass() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let mut v = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
+    let mut req = tonic::Request::new(());
+    req.metadata_mut()
+        .insert("x-big", "a".repeat(512 << 10).parse().unwrap());
+    v.version(req)
+        .await
+        .expect("512 KiB of metadata through the proxy");
+
+    // ~6 MiB image record (labels): above tonic's 4 MiB default, below 16 MiB.
+    let mut labels = HashMap::new();
+    for i in 0..1500 {
+        labels.insert(format!("big.{i}"), "x".repeat(4000));
+    }
+    let img = api::Image {
+        name: "big:1".into(),
+        labels,
+        target: Some(containerd_client::types::Descriptor {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            digest: format!("sha256:{}", "2".repeat(64)),
+            size: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await)
+        .max_decoding_message_size(MAX_MSG)
+        .max_encoding_message_size(MAX_MSG);
+    let r = images
+        .create(with_ns(
+            api::CreateImageRequest {
+                image: Some(img),
+                ..Default::default()
+            },
+            NS,
+        ))
+        .await
+        .expect("6 MiB request through the proxy");
+    assert_eq!(r.into_inner().image.unwrap().labels.len(), 1500);
+    let list = images
+        .list(with_ns(api::ListImagesRequest::default(), NS))
+        .await
+        .unwrap();
+    assert_eq!(list.into_inner().images[0].labels.len(), 1500);
+}
+
+/// A ttrpc request frame (containerd's ttrpc: 10-byte header + Request).
+fn ttrpc_frame(service: &str, method: &str, payload: Vec<u8>) -> Vec<u8> {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Request {
+        #[prost(string, tag = "1")]
+        service: String,
+        #[prost(string, tag = "2")]
+        method: String,
+        #[prost(bytes = "vec", tag = "3")]
+        payload: Vec<u8>,
+        #[prost(int64, tag = "4")]
+        timeout_nano: i64,
+    }
+    let body = Request {
+        service: service.into(),
+        method: method.into(),
+        payload,
+        timeout_nano: 0,
+    }
+    .encode_to_vec();
+    let mut f = Vec::new();
+    f.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    f.extend_from_slice(&1u32.to_be_bytes()); // stream id
+    f.push(1); // request
+    f.push(0);
+    f.extend_from_slice(&body);
+    f
+}
+
+#[tokio::test]
+async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let ttrpc_sock = format!("{}.ttrpc", p.socket().display());
+    let mut events = api::events_client::EventsClient::new(containerd_channel(c.socket()).await);
+    let mut stream = events
+        .subscribe(api::SubscribeRequest {
+            filters: vec!["topic==\"/imgbridge/ttrpc-test\"".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let envelope = containerd_client::types::Envelope {
+        timestamp: Some(prost_types::Timestamp {
+            seconds: 1,
+            nanos: 0,
+        }),
+        namespace: NS.into(),
+        topic: "/imgbridge/ttrpc-test".into(),
+        event: Some(containerd_client::to_any(&api::ImageDelete {
+            name: "via-ttrpc".into(),
+        })),
+    };
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct ForwardRequest {
+        #[prost(message, optional, tag = "1")]
+        envelope: Option<containerd_client::types::Envelope>,
+    }
+    let frame = ttrpc_frame(
+        "containerd.services.events.ttrpc.v1.Events",
+        "Forward",
+        ForwardRequest {
+            envelope: Some(envelope),
+        }
+        .encode_to_vec(),
+    );
+    let reply = tokio::task::spawn_blocking(move || {
+        let mut s = StdUnixStream::connect(&ttrpc_sock).expect("connect <listen>.ttrpc");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&frame).unwrap();
+        let mut hdr = [0u8; 10];
+        s.read_exact(&mut hdr).expect("ttrpc response header");
+        let len = u32::from_be_bytes(hdr[..4].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body).unwrap();
+        (hdr[8], body)
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply.0, 2, "ttrpc response frame type");
+    let env = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("forwarded event within 10 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(env.namespace, NS);
+    let ev = api::ImageDelete::decode(env.event.unwrap().value.as_slice()).unwrap();
+    assert_eq!(ev.name, "via-ttrpc");
+}
+
+#[tokio::test]
+async fn containerd_restart_fails_fast_then_serves_again() {
+    let mut c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let mut v = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
+    v.version(()).await.unwrap();
+    c.kill9();
+    let t = std::time::Instant::now();
+    let e = v.version(()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(
+        e.message().contains(c.socket().to_str().unwrap()),
+        "message must name the upstream: {e:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "must fail fast, took {:?}",
+        t.elapsed()
+    );
+    c.restart();
+    // Same client connection, no reconnect on the client side.
+    let ok = poll_async(Duration::from_secs(10), || {
+        let mut v = v.clone();
+        async move { v.version(()).await.ok() }
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "proxy did not serve again after containerd came back"
+    );
+}
+
+#[test]
+fn socket_mode_stale_socket_and_live_socket() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let meta = std::fs::metadata(p.socket()).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o660);
+    assert_eq!((meta.uid(), meta.gid()), (0, 0));
+    // A second imgbridge on the same live socket must refuse to start.
+    let out = Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+        .args([
+            "serve",
+            "--listen",
+            p.socket().to_str().unwrap(),
+            "--upstream",
+            c.socket().to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use"), "{err}");
+    // A stale socket file (nobody listening) is replaced.
+    let dir = tempdir("stale-");
+    let stale = dir.path().join("s.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let b = Imgbridge::start_at(&stale, c.socket(), &["--socket-mode", "0600"]);
+    assert_eq!(std::fs::metadata(&stale).unwrap().mode() & 0o777, 0o600);
+    ctr_ok(b.socket(), NS, ["version"]);
+}
+
+#[tokio::test]
+async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let mut p = Imgbridge::start(c.socket(), &[]);
+    let data: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
+    let digest = format!("sha256:{}", sha256_hex(&data));
+    let dir = tempdir("blob-");
+    std::fs::write(dir.path().join("b"), &data).unwrap();
+    let sh = format!(
+        "ctr -a {} -n {NS} content ingest --expected-digest {digest} r < {}",
+        c.socket().display(),
+        dir.path().join("b").display()
+    );
+    assert!(Command::new("sh")
+        .arg("-c")
+        .arg(sh)
+        .status()
+        .unwrap()
+        .success());
+
+    let mut content = api::content_client::ContentClient::new(containerd_channel(p.socket()).await);
+    let mut read = content
+        .read(with_ns(
+            api::ReadContentRequest {
+                digest: digest.clone(),
+                ..Default::default()
+            },
+            NS,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    // Take one chunk, then stop reading while SIGTERM arrives.
+    let mut got = read.message().await.unwrap().unwrap().data;
+    let pid = p.pid();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    while let Some(m) = read
+        .message()
+        .await
+        .expect("in-flight stream must complete")
+    {
+        got.extend_from_slice(&m.data);
+    }
+    assert_eq!(format!("sha256:{}", sha256_hex(&got)), digest);
+    let st = p.sigterm();
+    assert!(st.success(), "exit status {st:?}\n{}", p.log_tail());
+    assert!(!p.socket().exists(), "socket must be removed on shutdown");
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_upstream_call() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let reference = "cancel-me";
+    let open = |sock: std::path::PathBuf| async move {
+        let mut content = api::content_client::ContentClient::new(containerd_channel(&sock).await);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(api::WriteContentRequest {
+            action: api::WriteAction::Write as i32,
+            r#ref: reference.into(),
+            total: 1 << 20,
+            data: vec![7u8; 1024],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let r = content
+            .write(with_ns(tokio_stream::wrappers::ReceiverStream::new(rx), NS))
+            .await;
+        (tx, r)
+    };
+    let (tx, r) = open(p.socket().to_path_buf()).await;
+    let mut replies = r.expect("open ingest").into_inner();
+    replies.message().await.unwrap().expect("first write acked");
+    // While the ingest is held, containerd refuses the same ref.
+    let (_tx2, locked) = open(c.socket().to_path_buf()).await;
+    let locked = match locked {
+        Err(e) => e,
+        Ok(r) => r.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(locked.code(), tonic::Code::Unavailable, "{locked:?}");
+    // The client goes away without closing its stream cleanly.
+    drop(replies);
+    drop(tx);
+    let released = poll_async(Duration::from_secs(10), || {
+        let sock = c.socket().to_path_buf();
+        async move {
+            let (_tx, r) = open(sock).await;
+            match r {
+                Ok(r) => r.into_inner().message().await.ok().flatten().map(|_| ()),
+                Err(_) => None,
+            }
+        }
+    })
+    .await;
+    assert!(
+        released.is_some(),
+        "upstream ingest still locked: the proxy did not cancel the call"
+    );
+}
+
+/// Records what the hook saw; fails for names starting with `fail`.
+struct TestHooks {
+    seen: Arc<Mutex<Vec<(String, String, String)>>>,
+}
+
+impl Interceptor for TestHooks {
+    fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
+        if call.method != "/containerd.services.images.v1.Images/Create" {
+            return None;
+        }
+        let seen = self.seen.clone();
+        let ns = call.namespace.clone().unwrap_or_default();
+        Some(typed(
+            move |req: api::CreateImageRequest, resp: api::CreateImageResponse| async move {
+                let req_name = req.image.map(|i| i.name).unwrap_or_default();
+                let resp_name = resp.image.map(|i| i.name).unwrap_or_default();
+                seen.lock().unwrap().push((ns, req_name.clone(), resp_name));
+                if req_name.starts_with("fail") {
+                    return Err(tonic::Status::failed_precondition(format!(
+                        "hook refused {req_name}: 100% \"sure\""
+                    )));
+                }
+                Ok(())
+            },
+        ))
+    }
+}
+
+#[tokio::test]
+async fn interception_hook_runs_and_failing_hook_gives_clean_error() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let dir = tempdir("hook-");
+    let sock = dir.path().join("p.sock");
+    let listener = imgbridge::proxy::listener::bind(&sock, Default::default()).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hooks = Arc::new(TestHooks { seen: seen.clone() });
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(imgbridge::proxy::serve(
+        listener,
+        imgbridge::proxy::ProxyConfig::new(c.socket()),
+        hooks,
+        stop.clone().cancelled_owned(),
+    ));
+    let mut images = api::images_client::ImagesClient::new(containerd_channel(&sock).await);
+    let mk = |name: &str| {
+        with_ns(
+            api::CreateImageRequest {
+                image: Some(api::Image {
+                    name: name.into(),
+                    target: Some(containerd_client::types::Descriptor {
+                        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                        digest: format!("sha256:{}", "3".repeat(64)),
+                        size: 1,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            NS,
+        )
+    };
+    let ok = images
+        .create(mk("okimg:1"))
+        .await
+        .expect("hooked create passes");
+    assert_eq!(ok.into_inner().image.unwrap().name, "okimg:1");
+    let e = images.create(mk("failimg:1")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(e.message(), "hook refused failimg:1: 100% \"sure\"");
+    // containerd's error replies are relayed, the hook does not run for them.
+    let e = images.create(mk("okimg:1")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists);
+    // Non-selected methods still pass.
+    images
+        .get(with_ns(
+            api::GetImageRequest {
+                name: "okimg:1".into(),
+            },
+            NS,
+        ))
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            (NS.to_string(), "okimg:1".to_string(), "okimg:1".to_string()),
+            (
+                NS.to_string(),
+                "failimg:1".to_string(),
+                "failimg:1".to_string()
+            ),
+        ]
+    );
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}

@@ -1,0 +1,500 @@
+//! Catch-up passes, the events backstop, `imgbridge sync`, the Transfer path
+//! (against a fake 2.x Transfer front) and fault recovery, with a real
+//! containerd 1.6.
+
+mod common;
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use containerd_client::services::v1 as api;
+use containerd_client::types::Descriptor;
+use http_body_util::{BodyExt, Full};
+use prost::Message;
+
+const SRC: &str = "buildkit";
+const K8S: &str = "k8s.io";
+
+async fn images(sock: &Path) -> api::images_client::ImagesClient<tonic::transport::Channel> {
+    api::images_client::ImagesClient::new(containerd_channel(sock).await)
+}
+
+async fn get(sock: &Path, ns: &str, name: &str) -> Option<api::Image> {
+    images(sock)
+        .await
+        .get(with_ns(api::GetImageRequest { name: name.into() }, ns))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().image)
+}
+
+fn create(ns: &str, name: &str, target: &Descriptor) -> tonic::Request<api::CreateImageRequest> {
+    with_ns(
+        api::CreateImageRequest {
+            image: Some(api::Image {
+                name: name.into(),
+                target: Some(target.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ns,
+    )
+}
+
+/// A base image in `buildkit` (written directly) and its target descriptor.
+async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
+    let img = TestImage::hello(name_tag);
+    c.ctr_ok(
+        SRC,
+        ["images", "import", img.docker_archive().to_str().unwrap()],
+    );
+    let t = get(c.socket(), SRC, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    (img, t)
+}
+
+/// Images of `buildkit` whose replica is missing or has another target.
+async fn unreplicated(sock: &Path) -> Vec<String> {
+    let Ok(src) = images(sock).await.list(with_ns(api::ListImagesRequest::default(), SRC)).await else {
+        return vec!["<list failed>".into()];
+    };
+    let mut missing = Vec::new();
+    for i in src.into_inner().images {
+        let name = imgbridge::reference::normalize(&i.name).unwrap();
+        let r = get(sock, K8S, &name).await;
+        if r.and_then(|r| r.target).map(|t| t.digest) != i.target.map(|t| t.digest) {
+            missing.push(name);
+        }
+    }
+    missing
+}
+
+/// Waits until every image of `buildkit` has a replica with the same target.
+async fn all_replicated(sock: &Path, within: Duration) -> Result<(), Vec<String>> {
+    match poll_async(within, || async { unreplicated(sock).await.is_empty().then_some(()) }).await {
+        Some(()) => Ok(()),
+        None => Err(unreplicated(sock).await),
+    }
+}
+
+#[tokio::test]
+async fn start_pass_repairs_and_second_pass_writes_nothing() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let (img, t) = seed(&c, "pre:1").await;
+    images(c.socket())
+        .await
+        .create(create(SRC, "pre-tag:1", &t))
+        .await
+        .unwrap();
+    // A stale replica (other digest) and a replica missing its label.
+    let other = Descriptor {
+        digest: format!("sha256:{}", "5".repeat(64)),
+        ..t.clone()
+    };
+    images(c.socket())
+        .await
+        .create(create(K8S, "docker.io/library/pre-tag:1", &other))
+        .await
+        .unwrap();
+    let sync = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+            .args(["sync", "--upstream", c.socket().to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = sync(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains(" 0 writes"),
+        "first pass must repair: {stdout}"
+    );
+    assert_eq!(
+        get(c.socket(), K8S, "docker.io/library/pre-tag:1")
+            .await
+            .unwrap()
+            .target
+            .unwrap()
+            .digest,
+        t.digest
+    );
+    assert!(cri_image_status(c.socket(), &img.normalized())
+        .await
+        .is_some());
+    let out = sync(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        stdout.contains("checked 2 images, 0 writes"),
+        "second pass must be idempotent: {stdout}"
+    );
+
+    // A source image whose manifest is not readable cannot be repaired: exit 1 naming it.
+    let dir = tempdir("bad-");
+    let f = dir.path().join("m");
+    std::fs::write(&f, b"garbage").unwrap();
+    let d = format!(
+        "sha256:{}",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"garbage"))
+    );
+    let sh = format!(
+        "ctr -a {} -n {SRC} content ingest --expected-digest {d} bad < {}",
+        c.socket().display(),
+        f.display()
+    );
+    assert!(Command::new("sh")
+        .arg("-c")
+        .arg(sh)
+        .status()
+        .unwrap()
+        .success());
+    let garbage = Descriptor {
+        digest: d,
+        size: 7,
+        ..t.clone()
+    };
+    images(c.socket())
+        .await
+        .create(create(SRC, "garbage:1", &garbage))
+        .await
+        .unwrap();
+    let out = sync(&[]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("could not repair buildkit/garbage:1"),
+        "{stdout}"
+    );
+}
+
+#[tokio::test]
+async fn serve_start_pass_and_events_backstop_within_a_second() {
+    let mut c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let (_img, t) = seed(&c, "early:1").await;
+    let p = Imgbridge::start(c.socket(), &[]);
+    all_replicated(c.socket(), Duration::from_secs(10))
+        .await
+        .expect("start pass");
+    // Direct write on containerd's own socket, bypassing imgbridge.
+    images(c.socket())
+        .await
+        .create(create(SRC, "bypass:1", &t))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    all_replicated(c.socket(), Duration::from_secs(5))
+        .await
+        .expect("events backstop");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t0.elapsed()
+    );
+    // After a containerd restart the subscription is renewed.
+    c.kill9();
+    c.restart();
+    let v = poll(Duration::from_secs(10), || {
+        p.log().contains("event subscription ended").then_some(())
+    });
+    assert!(v.is_some(), "{}", p.log_tail());
+    poll_async(Duration::from_secs(10), || async {
+        (p.log().matches("reconcile pass done").count() >= 2).then_some(())
+    })
+    .await
+    .expect("second pass after reconnect");
+    images(c.socket())
+        .await
+        .create(create(SRC, "after-restart:1", &t))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    all_replicated(c.socket(), Duration::from_secs(5))
+        .await
+        .expect("events after restart");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn containerd_killed_during_creates_converges_within_two_seconds() {
+    let mut c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let (_img, t) = seed(&c, "fault:1").await;
+    let p = Imgbridge::start(c.socket(), &[]);
+    for i in 0..20 {
+        let via = if i % 2 == 0 {
+            p.socket().to_path_buf()
+        } else {
+            c.socket().to_path_buf()
+        };
+        let _ = images(&via)
+            .await
+            .create(create(SRC, &format!("f-{i}:1"), &t))
+            .await;
+        if i == 10 {
+            c.kill9();
+            c.restart();
+        }
+    }
+    let back = Instant::now();
+    let r = all_replicated(c.socket(), Duration::from_secs(10)).await;
+    assert!(r.is_ok(), "not converged: {:?}\n{}", r, p.log_tail());
+    assert!(
+        back.elapsed() < Duration::from_secs(2),
+        "converged after {:?}",
+        back.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn imgbridge_killed_mid_replication_restart_converges() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let (_img, t) = seed(&c, "crash:1").await;
+    let mut p = Imgbridge::start(c.socket(), &[]);
+    let sock = p.socket().to_path_buf();
+    let writer = tokio::spawn(async move {
+        for i in 0..40 {
+            let _ = images(&sock)
+                .await
+                .create(create(SRC, &format!("k-{i}:1"), &t))
+                .await;
+        }
+    });
+    // Kill while creates are in flight.
+    poll(Duration::from_secs(20), || {
+        (p.log().matches("replicated").count() >= 3).then_some(())
+    });
+    p.kill9();
+    let _ = writer.await;
+    let _p2 = Imgbridge::start(c.socket(), &[]);
+    let r = all_replicated(c.socket(), Duration::from_secs(10)).await;
+    assert!(r.is_ok(), "restart did not converge: {r:?}");
+}
+
+// ---------------------------------------------------------------------------
+// Transfer (containerd 2.x) through a fake front
+// ---------------------------------------------------------------------------
+
+/// A stand-in for containerd 2.x: it answers `Transfer/Transfer` itself the
+/// way 2.x does for an ImageStore → ImageStore transfer (a tag: server-side
+/// Create, AlreadyExists → Update, reply `Empty`, no Images RPC on the wire),
+/// echoes `Streaming/Stream` frames, and relays everything else to the real
+/// containerd 1.6.
+async fn fake_2x(real: PathBuf, listen: PathBuf) -> tokio::task::JoinHandle<()> {
+    let listener = tokio::net::UnixListener::bind(&listen).unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else {
+                return;
+            };
+            let real = real.clone();
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let real = real.clone();
+                        async move { Ok::<_, Infallible>(fake_handle(real, req).await) }
+                    });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                        .await;
+            });
+        }
+    })
+}
+
+type FakeBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+fn grpc_reply(msg: &[u8], status: i32, message: &str) -> http::Response<FakeBody> {
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    framed.extend_from_slice(msg);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", status.into());
+    if !message.is_empty() {
+        trailers.insert("grpc-message", message.parse().unwrap());
+    }
+    let body = Full::new(Bytes::from(if status == 0 { framed } else { Vec::new() }))
+        .map_err(|never| match never {})
+        .with_trailers(async move { Some(Ok(trailers)) })
+        .boxed();
+    http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(body)
+        .unwrap()
+}
+
+async fn fake_handle(
+    real: PathBuf,
+    req: http::Request<hyper::body::Incoming>,
+) -> http::Response<FakeBody> {
+    let path = req.uri().path().to_string();
+    let ns = req
+        .headers()
+        .get("containerd-namespace")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    if path == "/containerd.services.transfer.v1.Transfer/Transfer" {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        let treq = api::TransferRequest::decode(&body[5..]).unwrap();
+        let store = |a: &Option<prost_types::Any>| {
+            let a = a.as_ref().unwrap();
+            assert_eq!(a.type_url, "containerd.types.transfer.ImageStore");
+            containerd_client::types::transfer::ImageStore::decode(a.value.as_slice()).unwrap()
+        };
+        let (src, dst) = (store(&treq.source), store(&treq.destination));
+        let Some(from) = get(&real, &ns, &src.name).await else {
+            return grpc_reply(&[], 5, &format!("image \"{}\": not found", src.name));
+        };
+        let image = api::Image {
+            name: dst.name.clone(),
+            target: from.target,
+            labels: dst.labels,
+            ..Default::default()
+        };
+        let mut cl = images(&real).await;
+        if cl
+            .create(with_ns(
+                api::CreateImageRequest {
+                    image: Some(image.clone()),
+                    ..Default::default()
+                },
+                &ns,
+            ))
+            .await
+            .is_err()
+        {
+            cl.update(with_ns(
+                api::UpdateImageRequest {
+                    image: Some(image),
+                    ..Default::default()
+                },
+                &ns,
+            ))
+            .await
+            .unwrap();
+        }
+        return grpc_reply(&[], 0, "");
+    }
+    if path == "/containerd.services.streaming.v1.Streaming/Stream" {
+        // Echo: bidi frames come back as they were sent.
+        let body = req.into_body();
+        let echoed = body.boxed();
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", 0.into());
+        return http::Response::builder()
+            .header("content-type", "application/grpc")
+            .body(
+                echoed
+                    .with_trailers(async move { Some(Ok(trailers)) })
+                    .boxed(),
+            )
+            .unwrap();
+    }
+    // Relay to the real containerd.
+    let s = tokio::net::UnixStream::connect(&real).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(s),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let (mut parts, body) = req.into_parts();
+    parts.uri = format!("http://localhost{path}").parse().unwrap();
+    let resp = send
+        .send_request(http::Request::from_parts(parts, body))
+        .await
+        .unwrap();
+    resp.map(|b| b.boxed())
+}
+
+#[tokio::test]
+async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let (img, _t) = seed(&c, "xfer:1").await;
+    let dir = tempdir("fake2x-");
+    let fake_sock = dir.path().join("containerd2.sock");
+    let _fake = fake_2x(c.socket().to_path_buf(), fake_sock.clone()).await;
+    // Reconcile off: only the Transfer hook can replicate the tag.
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "[reconcile]\nenabled = false\n").unwrap();
+    let p = Imgbridge::start(&fake_sock, &["--config", cfg.to_str().unwrap()]);
+    let store = |name: &str| {
+        containerd_client::to_any(&containerd_client::types::transfer::ImageStore {
+            name: name.into(),
+            ..Default::default()
+        })
+    };
+    // A Streaming.Stream stays open alongside the held Transfer.
+    let chan = containerd_channel(p.socket()).await;
+    let mut streaming = api::streaming_client::StreamingClient::new(chan.clone());
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(containerd_client::to_any(&api::StreamInit {
+        id: "progress-1".into(),
+    }))
+    .await
+    .unwrap();
+    let mut echo = streaming
+        .stream(with_ns(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+            SRC,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut transfer = api::transfer_client::TransferClient::new(chan);
+    transfer
+        .transfer(with_ns(
+            api::TransferRequest {
+                source: Some(store(&img.normalized())),
+                destination: Some(store("docker.io/library/xfer-tag:2")),
+                options: Some(api::TransferOptions {
+                    progress_stream: "progress-1".into(),
+                }),
+            },
+            SRC,
+        ))
+        .await
+        .expect("transfer through the proxy");
+    let st = cri_image_status(c.socket(), "docker.io/library/xfer-tag:2").await;
+    assert_eq!(
+        st.expect("replicated before the Transfer reply").id,
+        img.config_digest()
+    );
+    let first = echo.message().await.unwrap().unwrap();
+    let init = api::StreamInit::decode(first.value.as_slice()).unwrap();
+    assert_eq!(init.id, "progress-1");
+    drop(tx);
+}

@@ -1,0 +1,816 @@
+//! Synchronous replication from `buildkit` into `k8s.io` against a real
+//! containerd 1.6 with CRI: every check reads containerd's own socket right
+//! after the proxied call returns (no polling where read-your-writes is the
+//! claim).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use containerd_client::services::v1 as api;
+use containerd_client::types::Descriptor;
+use serde_json::json;
+
+const SRC: &str = "buildkit";
+const K8S: &str = "k8s.io";
+
+fn cri() -> ContainerdOpts {
+    ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    }
+}
+
+async fn images(sock: &Path) -> api::images_client::ImagesClient<tonic::transport::Channel> {
+    api::images_client::ImagesClient::new(containerd_channel(sock).await)
+}
+
+async fn get(sock: &Path, ns: &str, name: &str) -> Option<api::Image> {
+    images(sock)
+        .await
+        .get(with_ns(api::GetImageRequest { name: name.into() }, ns))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().image)
+}
+
+async fn content_info(sock: &Path, ns: &str, digest: &str) -> Option<api::Info> {
+    api::content_client::ContentClient::new(containerd_channel(sock).await)
+        .info(with_ns(
+            api::InfoRequest {
+                digest: digest.into(),
+            },
+            ns,
+        ))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().info)
+}
+
+fn import_via(sock: &Path, ns: &str, archive: &Path) {
+    ctr_ok(sock, ns, ["images", "import", archive.to_str().unwrap()]);
+}
+
+/// Blobs of a test image's OCI layout: (manifest, config, layers).
+struct Blobs {
+    layout: PathBuf,
+    manifest: Descriptor,
+    config: String,
+    layers: Vec<Descriptor>,
+}
+
+fn blobs(img: &TestImage) -> Blobs {
+    let layout = img.layout().to_path_buf();
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
+    let m = &index["manifests"][0];
+    let digest = m["digest"].as_str().unwrap().to_string();
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(blob_path(&layout, &digest)).unwrap()).unwrap();
+    let desc = |v: &serde_json::Value| Descriptor {
+        media_type: v["mediaType"].as_str().unwrap().into(),
+        digest: v["digest"].as_str().unwrap().into(),
+        size: v["size"].as_i64().unwrap(),
+        ..Default::default()
+    };
+    Blobs {
+        manifest: desc(m),
+        config: manifest["config"]["digest"].as_str().unwrap().into(),
+        layers: manifest["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(desc)
+            .collect(),
+        layout,
+    }
+}
+
+fn blob_path(layout: &Path, digest: &str) -> PathBuf {
+    layout
+        .join("blobs/sha256")
+        .join(digest.trim_start_matches("sha256:"))
+}
+
+/// Ingests one blob into `ns` directly on containerd's socket.
+fn ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
+    let sh = format!(
+        "ctr -a {} -n {ns} content ingest --expected-digest {digest} ingest-{} < {}",
+        sock.display(),
+        &digest[7..19],
+        file.display()
+    );
+    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{sh}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn create_req(name: &str, target: Descriptor) -> tonic::Request<api::CreateImageRequest> {
+    with_ns(
+        api::CreateImageRequest {
+            image: Some(api::Image {
+                name: name.into(),
+                target: Some(target),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        SRC,
+    )
+}
+
+fn target_of(img: &api::Image) -> String {
+    img.target.as_ref().unwrap().digest.clone()
+}
+
+#[tokio::test]
+async fn ctr_import_is_visible_to_cri_on_return_and_runs_as_pod() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("rywimport:1");
+    import_via(p.socket(), SRC, &img.docker_archive());
+    // Read-your-writes: no polling.
+    let st = cri_image_status(c.socket(), &img.normalized())
+        .await
+        .expect("CRI must resolve the image as soon as the import returns");
+    assert_eq!(st.id, img.config_digest());
+    let replica = get(c.socket(), K8S, &img.normalized()).await.unwrap();
+    assert_eq!(
+        replica
+            .labels
+            .get("io.imgbridge.source")
+            .map(String::as_str),
+        Some(SRC)
+    );
+    assert!(
+        !replica.labels.contains_key("io.cri-containerd.pinned"),
+        "pin defaults to false"
+    );
+    let digest_ref = format!("docker.io/library/rywimport@{}", target_of(&replica));
+    assert!(
+        get(c.socket(), K8S, &digest_ref).await.is_some(),
+        "digest ref record"
+    );
+    let pod = run_pod(
+        c.socket(),
+        &img.normalized(),
+        &[],
+        &hello_text("rywimport:1"),
+    )
+    .await;
+    pod.cleanup().await;
+}
+
+#[tokio::test]
+async fn pull_tag_label_rm_through_proxy() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(
+        c.socket(),
+        &["--config", &write_config("pin = true\n").to_string_lossy()],
+    );
+    let reg = Registry::start();
+    let img = TestImage::hello("pulled:2");
+    let pushed = img.push(&reg.addr());
+    ctr_ok(p.socket(), SRC, ["images", "pull", "--plain-http", &pushed]);
+    let r = get(c.socket(), K8S, &pushed)
+        .await
+        .expect("pulled image replicated");
+    assert_eq!(
+        r.labels.get("io.cri-containerd.pinned").map(String::as_str),
+        Some("pinned")
+    );
+    assert!(cri_image_status(c.socket(), &pushed).await.is_some());
+
+    ctr_ok(p.socket(), SRC, ["images", "tag", &pushed, "app:dev"]);
+    assert!(
+        cri_image_status(c.socket(), "app:dev").await.is_some(),
+        "tag normalised to docker.io/library/app:dev"
+    );
+    ctr_ok(p.socket(), SRC, ["images", "label", "app:dev", "team=blue"]);
+    let r = get(c.socket(), K8S, "docker.io/library/app:dev")
+        .await
+        .unwrap();
+    assert_eq!(r.labels.get("team").map(String::as_str), Some("blue"));
+
+    // delete_policy = unpin (default): replica stays, pin is gone.
+    ctr_ok(p.socket(), SRC, ["images", "rm", "app:dev"]);
+    let r = get(c.socket(), K8S, "docker.io/library/app:dev")
+        .await
+        .expect("replica kept");
+    assert!(
+        !r.labels.contains_key("io.cri-containerd.pinned"),
+        "{:?}",
+        r.labels
+    );
+}
+
+fn write_config(replication: &str) -> PathBuf {
+    let dir = tempdir("cfg-").keep();
+    let p = dir.join("config.toml");
+    std::fs::write(&p, format!("[replication]\n{replication}")).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn buildkit_sequence_update_notfound_create() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("bk:1");
+    // Content in buildkit under another name, written directly (not replicated).
+    import_via(c.socket(), SRC, &img.docker_archive());
+    let target = get(c.socket(), SRC, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    let mut cl = images(p.socket()).await;
+    let image = api::Image {
+        name: "bk-export:1".into(),
+        target: Some(target.clone()),
+        ..Default::default()
+    };
+    let e = cl
+        .update(with_ns(
+            api::UpdateImageRequest {
+                image: Some(image.clone()),
+                update_mask: None,
+                ..Default::default()
+            },
+            SRC,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    cl.create(with_ns(
+        api::CreateImageRequest {
+            image: Some(image),
+            ..Default::default()
+        },
+        SRC,
+    ))
+    .await
+    .unwrap();
+    let st = cri_image_status(c.socket(), "docker.io/library/bk-export:1").await;
+    assert_eq!(st.expect("visible on return").id, img.config_digest());
+    // buildkit re-exports: Update without mask now succeeds and stays in sync.
+    let other = TestImage::hello("bk:2");
+    import_via(c.socket(), SRC, &other.docker_archive());
+    let t2 = get(c.socket(), SRC, &other.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    let image = api::Image {
+        name: "bk-export:1".into(),
+        target: Some(t2.clone()),
+        ..Default::default()
+    };
+    cl.update(with_ns(
+        api::UpdateImageRequest {
+            image: Some(image),
+            update_mask: None,
+            ..Default::default()
+        },
+        SRC,
+    ))
+    .await
+    .unwrap();
+    let st = cri_image_status(c.socket(), "docker.io/library/bk-export:1")
+        .await
+        .unwrap();
+    assert_eq!(
+        st.id,
+        other.config_digest(),
+        "digest change must reach CRI before the reply"
+    );
+    let r = get(c.socket(), K8S, "docker.io/library/bk-export:1")
+        .await
+        .unwrap();
+    assert_eq!(r.target.unwrap().digest, t2.digest);
+}
+
+#[tokio::test]
+async fn isolated_content_sharing_copies_bytes() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        isolated: true,
+    });
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("iso:1");
+    import_via(p.socket(), SRC, &img.docker_archive());
+    assert!(cri_image_status(c.socket(), &img.normalized())
+        .await
+        .is_some());
+    let b = blobs(&img);
+    for l in &b.layers {
+        let got = Command::new("ctr")
+            .args([
+                "-a",
+                c.socket().to_str().unwrap(),
+                "-n",
+                K8S,
+                "content",
+                "get",
+                &l.digest,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            got.stdout.len() as i64,
+            l.size,
+            "layer bytes readable in k8s.io"
+        );
+        assert!(
+            content_info(c.socket(), K8S, &l.digest).await.is_some(),
+            "layer {} copied",
+            l.digest
+        );
+    }
+    let pod = run_pod(c.socket(), &img.normalized(), &[], &hello_text("iso:1")).await;
+    pod.cleanup().await;
+}
+
+#[tokio::test]
+async fn lazy_layer_written_after_create_is_linked_within_a_second() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("lazy:1");
+    let b = blobs(&img);
+    ingest(c.socket(), SRC, &b.config, &blob_path(&b.layout, &b.config));
+    ingest(
+        c.socket(),
+        SRC,
+        &b.manifest.digest,
+        &blob_path(&b.layout, &b.manifest.digest),
+    );
+    let t = Instant::now();
+    images(p.socket())
+        .await
+        .create(create_req("lazy:1", b.manifest.clone()))
+        .await
+        .unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "missing layers must not block the reply"
+    );
+    // ImageStatus needs only the config: resolvable already.
+    assert!(cri_image_status(c.socket(), "docker.io/library/lazy:1")
+        .await
+        .is_some());
+    for l in &b.layers {
+        assert!(content_info(c.socket(), K8S, &l.digest).await.is_none());
+    }
+    for l in &b.layers {
+        ingest(c.socket(), SRC, &l.digest, &blob_path(&b.layout, &l.digest));
+    }
+    let appeared = Instant::now();
+    let linked = poll_async(Duration::from_secs(5), || async {
+        let mut all = true;
+        for l in &b.layers {
+            all &= content_info(c.socket(), K8S, &l.digest).await.is_some();
+        }
+        all.then_some(())
+    })
+    .await;
+    assert!(
+        linked.is_some(),
+        "late layers never linked:\n{}",
+        p.log_tail()
+    );
+    assert!(
+        appeared.elapsed() < Duration::from_millis(1500),
+        "linked after {:?}",
+        appeared.elapsed()
+    );
+    let pod = run_pod(
+        c.socket(),
+        "docker.io/library/lazy:1",
+        &[],
+        &hello_text("lazy:1"),
+    )
+    .await;
+    pod.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_platform_index_with_only_host_platform_present_runs() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("multi:1");
+    let b = blobs(&img);
+    for d in b
+        .layers
+        .iter()
+        .map(|l| l.digest.clone())
+        .chain([b.config.clone(), b.manifest.digest.clone()])
+    {
+        ingest(c.socket(), SRC, &d, &blob_path(&b.layout, &d));
+    }
+    let absent = format!("sha256:{}", "e".repeat(64));
+    let index = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": b.manifest.media_type, "digest": b.manifest.digest, "size": b.manifest.size,
+             "platform": {"architecture": "amd64", "os": "linux"}},
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": absent, "size": 500,
+             "platform": {"architecture": "arm64", "os": "linux"}}
+        ]
+    })
+    .to_string();
+    let dir = tempdir("index-");
+    let f = dir.path().join("index.json");
+    std::fs::write(&f, &index).unwrap();
+    let idx_digest = format!(
+        "sha256:{}",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(index.as_bytes()))
+    );
+    ingest(c.socket(), SRC, &idx_digest, &f);
+    let target = Descriptor {
+        media_type: "application/vnd.oci.image.index.v1+json".into(),
+        digest: idx_digest.clone(),
+        size: index.len() as i64,
+        ..Default::default()
+    };
+    images(p.socket())
+        .await
+        .create(create_req("multi:1", target))
+        .await
+        .unwrap();
+    let st = cri_image_status(c.socket(), "docker.io/library/multi:1")
+        .await
+        .expect("host platform resolves");
+    assert_eq!(st.id, img.config_digest());
+    let idx = content_info(c.socket(), K8S, &idx_digest).await.unwrap();
+    assert_eq!(
+        idx.labels.get("containerd.io/gc.ref.content.m.1"),
+        Some(&absent),
+        "children kept alive via gc labels"
+    );
+    let pod = run_pod(
+        c.socket(),
+        "docker.io/library/multi:1",
+        &[],
+        &hello_text("multi:1"),
+    )
+    .await;
+    pod.cleanup().await;
+    assert!(
+        p.log().contains("will link it when it appears"),
+        "pending work is logged"
+    );
+}
+
+#[tokio::test]
+async fn delete_policies() {
+    let c = Containerd::start(cri());
+    let img = TestImage::hello("del:1");
+    import_via(c.socket(), SRC, &img.docker_archive());
+    let target = get(c.socket(), SRC, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    for (policy, name) in [
+        ("unpin", "del-unpin:1"),
+        ("delete", "del-delete:1"),
+        ("keep", "del-keep:1"),
+    ] {
+        let cfg = write_config(&format!("pin = true\ndelete_policy = \"{policy}\"\n"));
+        let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+        let mut cl = images(p.socket()).await;
+        cl.create(create_req(name, target.clone())).await.unwrap();
+        let full = format!("docker.io/library/{name}");
+        assert!(get(c.socket(), K8S, &full)
+            .await
+            .unwrap()
+            .labels
+            .contains_key("io.cri-containerd.pinned"));
+        cl.delete(with_ns(
+            api::DeleteImageRequest {
+                name: name.into(),
+                ..Default::default()
+            },
+            SRC,
+        ))
+        .await
+        .unwrap();
+        let after = get(c.socket(), K8S, &full).await;
+        match policy {
+            "unpin" => assert!(!after
+                .unwrap()
+                .labels
+                .contains_key("io.cri-containerd.pinned")),
+            "delete" => assert!(after.is_none(), "replica deleted"),
+            _ => assert!(after
+                .unwrap()
+                .labels
+                .contains_key("io.cri-containerd.pinned")),
+        }
+    }
+    // A k8s.io image imgbridge did not write is never touched. Reconcile is
+    // off so the source record created behind our back is not replicated.
+    let dir = tempdir("cfg-");
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        "[replication]\npin = true\ndelete_policy = \"delete\"\n[reconcile]\nenabled = false\n",
+    )
+    .unwrap();
+    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    let direct = |ns: &str, name: &str| {
+        with_ns(
+            api::CreateImageRequest {
+                image: Some(api::Image {
+                    name: name.into(),
+                    target: Some(target.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ns,
+        )
+    };
+    let mut cl = images(c.socket()).await;
+    cl.create(direct(K8S, "docker.io/library/theirs:1"))
+        .await
+        .unwrap();
+    cl.create(direct(SRC, "theirs:1")).await.unwrap();
+    images(p.socket())
+        .await
+        .delete(with_ns(
+            api::DeleteImageRequest {
+                name: "theirs:1".into(),
+                ..Default::default()
+            },
+            SRC,
+        ))
+        .await
+        .unwrap();
+    assert!(get(c.socket(), SRC, "theirs:1").await.is_none());
+    assert!(
+        get(c.socket(), K8S, "docker.io/library/theirs:1")
+            .await
+            .is_some(),
+        "foreign image untouched"
+    );
+}
+
+#[tokio::test]
+async fn replica_survives_gc_and_pod_still_runs() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("gcsafe:1");
+    import_via(p.socket(), SRC, &img.docker_archive());
+    // Remove the source too, so only the replica holds the content.
+    c.ctr_ok(SRC, ["images", "rm", &img.normalized()]);
+    let dummy = api::Image {
+        name: "dummy:1".into(),
+        target: Some(Descriptor {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            digest: format!("sha256:{}", "4".repeat(64)),
+            size: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut cl = images(c.socket()).await;
+    cl.create(with_ns(
+        api::CreateImageRequest {
+            image: Some(dummy),
+            ..Default::default()
+        },
+        K8S,
+    ))
+    .await
+    .unwrap();
+    cl.delete(with_ns(
+        api::DeleteImageRequest {
+            name: "dummy:1".into(),
+            sync: true,
+            ..Default::default()
+        },
+        K8S,
+    ))
+    .await
+    .unwrap();
+    let b = blobs(&img);
+    for d in b
+        .layers
+        .iter()
+        .map(|l| l.digest.clone())
+        .chain([b.config.clone(), b.manifest.digest.clone()])
+    {
+        assert!(
+            content_info(c.socket(), K8S, &d).await.is_some(),
+            "{d} collected by GC"
+        );
+    }
+    let pod = run_pod(c.socket(), &img.normalized(), &[], &hello_text("gcsafe:1")).await;
+    pod.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::hello("burst:1");
+    import_via(p.socket(), SRC, &img.docker_archive());
+    let target = get(c.socket(), SRC, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    let mut cl = images(p.socket()).await;
+    let mut misses = Vec::new();
+    for i in 0..200 {
+        let name = format!("burst-tag-{i}:v{i}");
+        cl.create(create_req(&name, target.clone())).await.unwrap();
+        if cri_image_status(c.socket(), &format!("docker.io/library/{name}"))
+            .await
+            .is_none()
+        {
+            misses.push(name);
+        }
+    }
+    for i in 0..10 {
+        let name = format!("burst-import-{i}:1");
+        let dir = tempdir("arch-");
+        let f = dir.path().join("a.tar");
+        img.export_docker_archive(&f, &name);
+        import_via(p.socket(), SRC, &f);
+        if cri_image_status(c.socket(), &format!("docker.io/library/{name}"))
+            .await
+            .is_none()
+        {
+            misses.push(name);
+        }
+    }
+    assert!(
+        misses.is_empty(),
+        "CRI misses right after return: {misses:?}"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_creates_and_tags_over_fifty_names_converge() {
+    let c = Containerd::start(cri());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let a = TestImage::hello("conv:a");
+    let b = TestImage::hello("conv:b");
+    import_via(c.socket(), SRC, &a.docker_archive());
+    import_via(c.socket(), SRC, &b.docker_archive());
+    let ta = get(c.socket(), SRC, &a.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    let tb = get(c.socket(), SRC, &b.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap();
+    let sock = Arc::new(p.socket().to_path_buf());
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (sock, t) = (
+            sock.clone(),
+            if i % 3 == 0 { ta.clone() } else { tb.clone() },
+        );
+        tasks.push(tokio::spawn(async move {
+            let name = format!("conv-{}:1", i % 50);
+            let mut cl = images(&sock).await;
+            let image = api::Image {
+                name: name.clone(),
+                target: Some(t),
+                ..Default::default()
+            };
+            // Create, or (as ctr/buildkit do) Update when it exists.
+            match cl
+                .create(create_req(&name, image.target.clone().unwrap()))
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                    cl.update(with_ns(
+                        api::UpdateImageRequest {
+                            image: Some(image),
+                            ..Default::default()
+                        },
+                        SRC,
+                    ))
+                    .await
+                    .unwrap();
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut diverged = Vec::new();
+    for i in 0..50 {
+        let name = format!("conv-{i}:1");
+        let src = target_of(&get(c.socket(), SRC, &name).await.unwrap());
+        let dst = get(c.socket(), K8S, &format!("docker.io/library/{name}"))
+            .await
+            .map(|i| target_of(&i));
+        if dst.as_deref() != Some(src.as_str()) {
+            diverged.push((name, src, dst));
+        }
+    }
+    assert!(
+        diverged.is_empty(),
+        "replicas differ from source: {diverged:?}"
+    );
+}
+
+#[tokio::test]
+async fn on_failure_fail_and_warn() {
+    let c = Containerd::start(cri());
+    // A manifest blob that is not JSON: upstream accepts the record, the
+    // replication cannot walk it.
+    let dir = tempdir("bad-");
+    let f = dir.path().join("m");
+    std::fs::write(&f, b"this is not a manifest").unwrap();
+    let d = format!(
+        "sha256:{}",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+            b"this is not a manifest"
+        ))
+    );
+    ingest(c.socket(), SRC, &d, &f);
+    let target = Descriptor {
+        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+        digest: d.clone(),
+        size: 22,
+        ..Default::default()
+    };
+    let p = Imgbridge::start(c.socket(), &[]);
+    let e = images(p.socket())
+        .await
+        .create(create_req("broken:1", target.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Internal);
+    for part in ["broken:1", "k8s.io", "not a valid manifest", "kept"] {
+        assert!(
+            e.message().contains(part),
+            "message must name {part:?}: {}",
+            e.message()
+        );
+    }
+    assert!(
+        get(c.socket(), SRC, "broken:1").await.is_some(),
+        "source image stays"
+    );
+    let cfg = write_config("on_failure = \"warn\"\n");
+    let w = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    images(w.socket())
+        .await
+        .create(create_req("broken:2", target))
+        .await
+        .expect("warn replies OK");
+    assert!(
+        poll(Duration::from_secs(5), || w
+            .log()
+            .contains("on_failure = warn")
+            .then_some(()))
+        .is_some(),
+        "failure logged:\n{}",
+        w.log_tail()
+    );
+}
+
+#[test]
+fn config_refuses_loops_and_empty_lists() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+            .arg("serve")
+            .args([
+                "--listen",
+                "/tmp/imgbridge-never.sock",
+                "--upstream",
+                "/tmp/never-containerd.sock",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = run(&["--source-namespace", "k8s.io"]);
+    assert!(e.contains("both a replication source and a target"), "{e}");
+    let cfg = write_config("target_namespaces = []\n");
+    let e = run(&["--config", cfg.to_str().unwrap()]);
+    assert!(e.contains("target_namespaces is empty"), "{e}");
+    assert!(!Path::new("/tmp/imgbridge-never.sock").exists());
+}
