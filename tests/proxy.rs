@@ -150,42 +150,61 @@ fn images_import_pull_tag_label_rm_and_ctr_run() {
 async fn events_subscription_sees_image_event() {
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
-    let mut events = api::events_client::EventsClient::new(containerd_channel(p.socket()).await);
-    let mut stream = events
-        .subscribe(api::SubscribeRequest {
-            filters: vec![format!("namespace=={NS},topic~=\"^/images/\"")],
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await);
-    images
-        .create(with_ns(
-            api::CreateImageRequest {
-                image: Some(api::Image {
-                    name: "evt:1".into(),
-                    target: Some(containerd_client::types::Descriptor {
-                        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                        digest: format!("sha256:{}", "0".repeat(64)),
-                        size: 1,
+    let sub = subscribe_first(p.socket(), format!("namespace=={NS},topic~=\"^/images/\""));
+    let images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await);
+    let mut n = 0;
+    // containerd sends no headers until the first event, and the
+    // subscription registers asynchronously: create until one is seen.
+    let env = poll_async(Duration::from_secs(10), || {
+        n += 1;
+        let name = format!("evt:{n}");
+        let (mut images, sub) = (images.clone(), sub.clone());
+        async move {
+            images
+                .create(with_ns(
+                    api::CreateImageRequest {
+                        image: Some(api::Image {
+                            name,
+                            target: Some(containerd_client::types::Descriptor {
+                                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                                digest: format!("sha256:{}", "0".repeat(64)),
+                                size: 1,
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        }),
                         ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            NS,
-        ))
-        .await
-        .unwrap();
-    let env = tokio::time::timeout(Duration::from_secs(10), stream.message())
-        .await
-        .expect("no event within 10 s")
-        .unwrap()
-        .unwrap();
+                    },
+                    NS,
+                ))
+                .await
+                .unwrap();
+            sub.lock().unwrap().take()
+        }
+    })
+    .await
+    .expect("no image event through the proxy within 10 s");
     assert_eq!(env.topic, "/images/create");
     let ev = api::ImageCreate::decode(env.event.unwrap().value.as_slice()).unwrap();
-    assert_eq!(ev.name, "evt:1");
+    assert!(ev.name.starts_with("evt:"), "{ev:?}");
+}
+
+/// Subscribes in the background; the first matching envelope lands in the slot.
+fn subscribe_first(sock: &Path, filter: String) -> Arc<Mutex<Option<containerd_client::types::Envelope>>> {
+    let slot = Arc::new(Mutex::new(None));
+    let (sock, out) = (sock.to_path_buf(), slot.clone());
+    tokio::spawn(async move {
+        let mut events = api::events_client::EventsClient::new(containerd_channel(&sock).await);
+        let mut stream = events
+            .subscribe(api::SubscribeRequest { filters: vec![filter] })
+            .await
+            .unwrap()
+            .into_inner();
+        if let Ok(Some(e)) = stream.message().await {
+            *out.lock().unwrap() = Some(e);
+        }
+    });
+    slot
 }
 
 #[tokio::test]
@@ -412,14 +431,7 @@ async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
     let ttrpc_sock = format!("{}.ttrpc", p.socket().display());
-    let mut events = api::events_client::EventsClient::new(containerd_channel(c.socket()).await);
-    let mut stream = events
-        .subscribe(api::SubscribeRequest {
-            filters: vec!["topic==\"/imgbridge/ttrpc-test\"".into()],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let sub = subscribe_first(c.socket(), "topic==\"/imgbridge/ttrpc-test\"".into());
     let envelope = containerd_client::types::Envelope {
         timestamp: Some(prost_types::Timestamp {
             seconds: 1,
@@ -439,30 +451,31 @@ async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
     let frame = ttrpc_frame(
         "containerd.services.events.ttrpc.v1.Events",
         "Forward",
-        ForwardRequest {
-            envelope: Some(envelope),
-        }
-        .encode_to_vec(),
+        ForwardRequest { envelope: Some(envelope) }.encode_to_vec(),
     );
-    let reply = tokio::task::spawn_blocking(move || {
-        let mut s = StdUnixStream::connect(&ttrpc_sock).expect("connect <listen>.ttrpc");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&frame).unwrap();
-        let mut hdr = [0u8; 10];
-        s.read_exact(&mut hdr).expect("ttrpc response header");
-        let len = u32::from_be_bytes(hdr[..4].try_into().unwrap()) as usize;
-        let mut body = vec![0u8; len];
-        s.read_exact(&mut body).unwrap();
-        (hdr[8], body)
+    // Forward until the (asynchronously registered) subscriber sees one.
+    let env = poll_async(Duration::from_secs(10), || {
+        let (frame, sock, sub) = (frame.clone(), ttrpc_sock.clone(), sub.clone());
+        async move {
+            let reply = tokio::task::spawn_blocking(move || {
+                let mut s = StdUnixStream::connect(&sock).expect("connect <listen>.ttrpc");
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                s.write_all(&frame).unwrap();
+                let mut hdr = [0u8; 10];
+                s.read_exact(&mut hdr).expect("ttrpc response header");
+                let len = u32::from_be_bytes(hdr[..4].try_into().unwrap()) as usize;
+                let mut body = vec![0u8; len];
+                s.read_exact(&mut body).unwrap();
+                hdr[8]
+            })
+            .await
+            .unwrap();
+            assert_eq!(reply, 2, "ttrpc response frame type");
+            sub.lock().unwrap().take()
+        }
     })
     .await
-    .unwrap();
-    assert_eq!(reply.0, 2, "ttrpc response frame type");
-    let env = tokio::time::timeout(Duration::from_secs(10), stream.message())
-        .await
-        .expect("forwarded event within 10 s")
-        .unwrap()
-        .unwrap();
+    .expect("forwarded event within 10 s");
     assert_eq!(env.namespace, NS);
     let ev = api::ImageDelete::decode(env.event.unwrap().value.as_slice()).unwrap();
     assert_eq!(ev.name, "via-ttrpc");
@@ -534,7 +547,7 @@ fn socket_mode_stale_socket_and_live_socket() {
 #[tokio::test]
 async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
     let c = Containerd::start(ContainerdOpts::default());
-    let mut p = Imgbridge::start(c.socket(), &[]);
+    let p = Imgbridge::start(c.socket(), &[]);
     let data: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
     let digest = format!("sha256:{}", sha256_hex(&data));
     let dir = tempdir("blob-");
@@ -579,7 +592,12 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
         got.extend_from_slice(&m.data);
     }
     assert_eq!(format!("sha256:{}", sha256_hex(&got)), digest);
-    let st = p.sigterm();
+    // The client stays responsive (it must answer the GOAWAY ping) while
+    // the test thread waits for the exit.
+    let (st, p) = tokio::task::spawn_blocking(move || {
+        let mut p = p;
+        (p.sigterm(), p)
+    }).await.unwrap();
     assert!(st.success(), "exit status {st:?}\n{}", p.log_tail());
     assert!(!p.socket().exists(), "socket must be removed on shutdown");
 }

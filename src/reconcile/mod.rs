@@ -80,23 +80,31 @@ pub async fn run(
         }
         backoff = Duration::from_millis(50);
         // Subscribe before the pass so nothing written in between is missed.
-        let sub = if events { subscribe(&r).await } else { None };
+        // containerd sends the reply headers only with the first event, so
+        // the subscription completes in its own task, never blocking the pass.
+        let sub = events.then(|| {
+            let task = tokio::spawn(subscribe(r.clone()));
+            (task.abort_handle(), task)
+        });
         let report = pass(&r).await;
         log_report(&report);
         ready.store(true, Ordering::Release);
         match sub {
-            Some(stream) => {
+            Some((abort, task)) => {
+                let followed = async {
+                    match task.await {
+                        Ok(Some(stream)) => follow(&r, stream).await,
+                        _ => tokio::time::sleep(Duration::from_secs(1)).await,
+                    }
+                };
                 tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = follow(&r, stream) => {
+                    _ = shutdown.cancelled() => {
+                        abort.abort();
+                        return;
+                    }
+                    _ = followed => {
                         tracing::warn!("event subscription ended (containerd restarted?); reconnecting and running a catch-up pass");
                     }
-                }
-            }
-            None if events => {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
             }
             None => {
@@ -141,7 +149,7 @@ async fn wait_for_restart(r: &Replicator, shutdown: &CancellationToken) {
 
 type Events = tonic::Streaming<containerd_client::types::Envelope>;
 
-async fn subscribe(r: &Replicator) -> Option<Events> {
+async fn subscribe(r: Arc<Replicator>) -> Option<Events> {
     let filters = r
         .settings()
         .sources
