@@ -190,13 +190,18 @@ async fn events_subscription_sees_image_event() {
 }
 
 /// Subscribes in the background; the first matching envelope lands in the slot.
-fn subscribe_first(sock: &Path, filter: String) -> Arc<Mutex<Option<containerd_client::types::Envelope>>> {
+fn subscribe_first(
+    sock: &Path,
+    filter: String,
+) -> Arc<Mutex<Option<containerd_client::types::Envelope>>> {
     let slot = Arc::new(Mutex::new(None));
     let (sock, out) = (sock.to_path_buf(), slot.clone());
     tokio::spawn(async move {
         let mut events = api::events_client::EventsClient::new(containerd_channel(&sock).await);
         let mut stream = events
-            .subscribe(api::SubscribeRequest { filters: vec![filter] })
+            .subscribe(api::SubscribeRequest {
+                filters: vec![filter],
+            })
             .await
             .unwrap()
             .into_inner();
@@ -220,7 +225,9 @@ async fn cri_image_status_and_pod_through_proxy() {
         ["images", "import", img.docker_archive().to_str().unwrap()],
     );
     let name = img.normalized();
-    let st = poll_async(Duration::from_secs(10), || cri_image_status(p.socket(), &name))
+    let st = poll_async(Duration::from_secs(10), || {
+        cri_image_status(p.socket(), &name)
+    })
     .await
     .expect("CRI ImageStatus through the proxy");
     assert_eq!(st.id, img.config_digest());
@@ -451,7 +458,10 @@ async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
     let frame = ttrpc_frame(
         "containerd.services.events.ttrpc.v1.Events",
         "Forward",
-        ForwardRequest { envelope: Some(envelope) }.encode_to_vec(),
+        ForwardRequest {
+            envelope: Some(envelope),
+        }
+        .encode_to_vec(),
     );
     // Forward until the (asynchronously registered) subscriber sees one.
     let env = poll_async(Duration::from_secs(10), || {
@@ -597,7 +607,9 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
     let (st, p) = tokio::task::spawn_blocking(move || {
         let mut p = p;
         (p.sigterm(), p)
-    }).await.unwrap();
+    })
+    .await
+    .unwrap();
     assert!(st.success(), "exit status {st:?}\n{}", p.log_tail());
     assert!(!p.socket().exists(), "socket must be removed on shutdown");
 }

@@ -64,7 +64,11 @@ async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
 
 /// Images of `buildkit` whose replica is missing or has another target.
 async fn unreplicated(sock: &Path) -> Vec<String> {
-    let Ok(src) = images(sock).await.list(with_ns(api::ListImagesRequest::default(), SRC)).await else {
+    let Ok(src) = images(sock)
+        .await
+        .list(with_ns(api::ListImagesRequest::default(), SRC))
+        .await
+    else {
         return vec!["<list failed>".into()];
     };
     let mut missing = Vec::new();
@@ -80,7 +84,11 @@ async fn unreplicated(sock: &Path) -> Vec<String> {
 
 /// Waits until every image of `buildkit` has a replica with the same target.
 async fn all_replicated(sock: &Path, within: Duration) -> Result<(), Vec<String>> {
-    match poll_async(within, || async { unreplicated(sock).await.is_empty().then_some(()) }).await {
+    match poll_async(within, || async {
+        unreplicated(sock).await.is_empty().then_some(())
+    })
+    .await
+    {
         Some(()) => Ok(()),
         None => Err(unreplicated(sock).await),
     }

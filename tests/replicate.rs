@@ -112,6 +112,50 @@ fn ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
     );
 }
 
+/// Labels a manifest/index in `ns` with the gc.ref labels buildkit writes,
+/// so its children are kept alive there once they land.
+fn gc_label(sock: &Path, ns: &str, parent: &str, children: &[(&str, &str)]) {
+    let mut args = vec!["content".to_string(), "label".into(), parent.into()];
+    for (k, d) in children {
+        args.push(format!("containerd.io/gc.ref.content.{k}={d}"));
+    }
+    ctr_ok(sock, ns, args);
+}
+
+/// Digests of an image's manifest, config and layers as stored in `ns`.
+fn stored_blobs(sock: &Path, ns: &str, manifest: &str) -> Vec<String> {
+    let out = Command::new("ctr")
+        .args([
+            "-a",
+            sock.to_str().unwrap(),
+            "-n",
+            ns,
+            "content",
+            "get",
+            manifest,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut d = vec![
+        manifest.to_string(),
+        m["config"]["digest"].as_str().unwrap().to_string(),
+    ];
+    d.extend(
+        m["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["digest"].as_str().unwrap().to_string()),
+    );
+    d
+}
+
 fn create_req(name: &str, target: Descriptor) -> tonic::Request<api::CreateImageRequest> {
     with_ns(
         api::CreateImageRequest {
@@ -308,9 +352,26 @@ async fn isolated_content_sharing_copies_bytes() {
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
         .is_some());
-    let b = blobs(&img);
-    for l in &b.layers {
-        let got = Command::new("ctr")
+    let manifest = get(c.socket(), K8S, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap()
+        .digest;
+    for d in stored_blobs(c.socket(), SRC, &manifest) {
+        let src = Command::new("ctr")
+            .args([
+                "-a",
+                c.socket().to_str().unwrap(),
+                "-n",
+                SRC,
+                "content",
+                "get",
+                &d,
+            ])
+            .output()
+            .unwrap();
+        let dst = Command::new("ctr")
             .args([
                 "-a",
                 c.socket().to_str().unwrap(),
@@ -318,19 +379,18 @@ async fn isolated_content_sharing_copies_bytes() {
                 K8S,
                 "content",
                 "get",
-                &l.digest,
+                &d,
             ])
             .output()
             .unwrap();
-        assert_eq!(
-            got.stdout.len() as i64,
-            l.size,
-            "layer bytes readable in k8s.io"
+        assert!(
+            dst.status.success(),
+            "{d} not readable in k8s.io: {}",
+            String::from_utf8_lossy(&dst.stderr)
         );
         assert!(
-            content_info(c.socket(), K8S, &l.digest).await.is_some(),
-            "layer {} copied",
-            l.digest
+            !dst.stdout.is_empty() && dst.stdout == src.stdout,
+            "{d}: bytes differ"
         );
     }
     let pod = run_pod(c.socket(), &img.normalized(), &[], &hello_text("iso:1")).await;
@@ -350,6 +410,15 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
         &b.manifest.digest,
         &blob_path(&b.layout, &b.manifest.digest),
     );
+    let mut refs = vec![("config".to_string(), b.config.clone())];
+    refs.extend(
+        b.layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (format!("l.{i}"), l.digest.clone())),
+    );
+    let refs: Vec<(&str, &str)> = refs.iter().map(|(k, d)| (k.as_str(), d.as_str())).collect();
+    gc_label(c.socket(), SRC, &b.manifest.digest, &refs);
     let t = Instant::now();
     images(p.socket())
         .await
@@ -601,13 +670,13 @@ async fn replica_survives_gc_and_pod_still_runs() {
     ))
     .await
     .unwrap();
-    let b = blobs(&img);
-    for d in b
-        .layers
-        .iter()
-        .map(|l| l.digest.clone())
-        .chain([b.config.clone(), b.manifest.digest.clone()])
-    {
+    let manifest = get(c.socket(), K8S, &img.normalized())
+        .await
+        .unwrap()
+        .target
+        .unwrap()
+        .digest;
+    for d in stored_blobs(c.socket(), K8S, &manifest) {
         assert!(
             content_info(c.socket(), K8S, &d).await.is_some(),
             "{d} collected by GC"
