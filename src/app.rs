@@ -9,6 +9,7 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::ops::{self, Ops};
 use crate::proxy::{self, NoIntercept, ProxyConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +18,8 @@ pub enum ServeError {
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
     Proxy(#[from] proxy::ProxyError),
+    #[error(transparent)]
+    Ops(#[from] ops::http::HttpError),
 }
 
 /// Optional extra listeners the caller already bound.
@@ -36,12 +39,20 @@ pub async fn serve(
     config.validate()?;
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
+    // Metrics, readiness and /status; hand `ops.metrics` / `ops.readiness` to
+    // the parts wired below.
+    let ops = Ops::new(config.clone());
+    if !config.metrics.listen.is_empty() {
+        let l = ops::http::bind(&config.metrics.listen).await?;
+        tasks.push(tokio::spawn(ops::http::serve(l, ops.clone(), stop.clone())));
+    }
     if let Some(l) = extra.ttrpc {
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
     }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
+    pc.observer = Some(ops.metrics.clone());
     let result = proxy::serve(listener, pc, Arc::new(NoIntercept), shutdown).await;
     stop.cancel();
     for t in tasks {

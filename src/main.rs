@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use imgbridge::config::Config;
 use imgbridge::proxy::listener::{self, SocketPerms};
 
@@ -19,6 +19,24 @@ struct Cli {
 enum Command {
     /// Proxy containerd's socket, replicating source-namespace images.
     Serve(ServeArgs),
+    /// Check this node (containerd, CRI, sockets, directories) and say what to fix; exits 1 on any ✗.
+    Doctor(DoctorArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff) to stdout.
+    Man,
+}
+
+#[derive(Args)]
+struct DoctorArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The proxy socket to check (default: listen from the configuration).
+    #[arg(long)]
+    listen: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -50,6 +68,15 @@ struct ServeArgs {
     /// Group owning the socket (name or gid; default root).
     #[arg(long)]
     socket_group: Option<String>,
+    /// Serve /metrics, /healthz, /readyz, /status on ADDR: TCP host:port, or a Unix socket path (contains '/').
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+    /// Log format.
+    #[arg(long, value_parser = ["text", "json"])]
+    log_format: Option<String>,
+    /// Log filter, RUST_LOG syntax (the RUST_LOG variable wins when set).
+    #[arg(long, value_name = "FILTER")]
+    log_filter: Option<String>,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -75,7 +102,51 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(a) => serve(a),
+        Command::Doctor(a) => doctor(a),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "imgbridge",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Command::Man => {
+            clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?;
+            Ok(())
+        }
     }
+}
+
+fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
+    let (mut c, load_error) = match a.common.load() {
+        Ok(c) => (c, None),
+        Err(e) => {
+            let mut c = Config::default();
+            if let Some(u) = &a.common.upstream {
+                c.upstream = u.clone();
+            }
+            (c, Some(e))
+        }
+    };
+    if let Some(l) = a.listen {
+        c.listen = l;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let load_error = load_error.map(|e| format!("{e:#}"));
+    let report = rt.block_on(imgbridge::ops::doctor::run(
+        &c,
+        load_error.as_ref().map(|e| e as &dyn std::fmt::Display),
+    ));
+    print!("{report}");
+    if report.failed() {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -89,12 +160,23 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(g) = a.socket_group {
         c.socket_group = g;
     }
+    if let Some(m) = a.metrics_listen {
+        c.metrics.listen = m;
+    }
+    if let Some(f) = a.log_format {
+        c.log.format = f;
+    }
+    if let Some(f) = a.log_filter {
+        c.log.filter = f;
+    }
     c.validate()?;
     if a.print_config {
         print!("{}", c.to_toml());
         return Ok(());
     }
-    init_logging(&c);
+    imgbridge::ops::logging::init(&c.log)?;
+    // Before any thread starts: this reads and clears LISTEN_* variables.
+    let activated = imgbridge::ops::activation::from_env()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -104,13 +186,24 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             mode: c.socket_mode()?,
             gid: c.socket_gid()?,
         };
-        let l = listener::bind(&c.listen, perms)?;
-        let ttrpc = if c.ttrpc {
-            Some(listener::bind(&imgbridge::app::ttrpc_path(&c.listen), perms)?)
-        } else {
-            None
+        // Socket activation: systemd owns the sockets (and their files).
+        let owned = activated.is_none();
+        let (l, ttrpc) = match activated {
+            Some(a) => {
+                let ttrpc = a.ttrpc.map(tokio::net::UnixListener::from_std).transpose()?;
+                (tokio::net::UnixListener::from_std(a.grpc)?, ttrpc)
+            }
+            None => {
+                let l = listener::bind(&c.listen, perms)?;
+                let ttrpc = if c.ttrpc {
+                    Some(listener::bind(&imgbridge::app::ttrpc_path(&c.listen), perms)?)
+                } else {
+                    None
+                };
+                (l, ttrpc)
+            }
         };
-        tracing::info!(listen = %c.listen.display(), upstream = %c.upstream.display(), "imgbridge serving");
+        tracing::info!(listen = ?l.local_addr().ok().and_then(|a| a.as_pathname().map(|p| p.display().to_string())), socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         let listen = c.listen.clone();
         let res = imgbridge::serve(
             l,
@@ -119,8 +212,10 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             shutdown_signal(),
         )
         .await;
-        let _ = std::fs::remove_file(&listen);
-        if c.ttrpc {
+        if owned {
+            let _ = std::fs::remove_file(&listen);
+        }
+        if owned && c.ttrpc {
             let _ = std::fs::remove_file(imgbridge::app::ttrpc_path(&listen));
         }
         tracing::info!("imgbridge stopped");
@@ -135,24 +230,5 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
         _ = int.recv() => tracing::info!("SIGINT received"),
-    }
-}
-
-fn init_logging(c: &Config) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        EnvFilter::new(if c.log.filter.is_empty() {
-            "info"
-        } else {
-            &c.log.filter
-        })
-    });
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if c.log.format == "json" {
-        b.json().init();
-    } else {
-        b.init();
     }
 }
