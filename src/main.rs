@@ -1,5 +1,6 @@
 //! Command line: parse, load configuration, run.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -137,12 +138,12 @@ fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let load_error = load_error.map(|e| format!("{e:#}"));
+    let load_error = load_error.map(|e| e.to_string());
     let report = rt.block_on(imgbridge::ops::doctor::run(
         &c,
         load_error.as_ref().map(|e| e as &dyn std::fmt::Display),
     ));
-    print!("{report}");
+    let _ = write!(std::io::stdout(), "{report}");
     if report.failed() {
         std::process::exit(1);
     }
@@ -203,13 +204,19 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 (l, ttrpc)
             }
         };
-        tracing::info!(listen = ?l.local_addr().ok().and_then(|a| a.as_pathname().map(|p| p.display().to_string())), socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
+        let shutdown = shutdown_signal();
+        let bound = l
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+            .unwrap_or_else(|| c.listen.display().to_string());
+        tracing::info!(listen = %bound, socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         let listen = c.listen.clone();
         let res = imgbridge::serve(
             l,
             imgbridge::app::Listeners { ttrpc },
             Arc::new(c.clone()),
-            shutdown_signal(),
+            shutdown,
         )
         .await;
         if owned {
@@ -223,12 +230,16 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM/SIGINT handlers now (so a stop right after start is
+/// graceful too) and resolves on the first signal.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+    async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
     }
 }

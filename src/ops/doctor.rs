@@ -78,7 +78,7 @@ impl Report {
         self.checks.push(Check {
             level,
             what: what.into(),
-            detail,
+            detail: one_line(&detail),
             fix,
         });
     }
@@ -98,6 +98,21 @@ impl Display for Report {
             n(Level::Fail)
         )
     }
+}
+
+/// Folds a multi-line message (toml quotes the offending line with `|` and
+/// `^` markers) into one line.
+fn one_line(s: &str) -> String {
+    s.lines()
+        .map(|l| {
+            l.trim()
+                .trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim_start_matches([' ', '|'])
+                .trim()
+        })
+        .filter(|l| !l.is_empty() && !l.chars().all(|c| c == '^'))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Whether a containerd version makes CRI honour `io.cri-containerd.pinned`.
@@ -492,6 +507,17 @@ mod tests {
         assert_eq!(s("1.5.18"), PinnedSupport::No);
         assert_eq!(s("2.0.0"), PinnedSupport::Full);
         assert_eq!(s("2.2.1"), PinnedSupport::Full);
+    }
+
+    #[test]
+    fn multi_line_errors_become_one_line() {
+        let e = Config::from_toml("[replication]\npinn = true\n", Path::new("c.toml")).unwrap_err();
+        let l = one_line(&e.to_string());
+        assert!(!l.contains('\n'), "{l}");
+        assert!(
+            l.contains("pinn = true") && l.contains("unknown field `pinn`"),
+            "{l}"
+        );
     }
 
     #[test]
