@@ -480,6 +480,22 @@ mod tests {
     }
 
     #[test]
+    fn readme_configuration_table_lists_every_key() {
+        // The fragment, or the README once it is merged there.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let docs: String = ["docs/README-ops.md", "README.md"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(root.join(f)).ok())
+            .collect();
+        for k in all_keys() {
+            assert!(
+                docs.contains(&format!("| `{k}` |")),
+                "the README configuration table lacks `{k}`"
+            );
+        }
+    }
+
+    #[test]
     fn unknown_keys_rejected_at_every_level() {
         for (text, key) in [
             ("listn = \"/x\"\n", "listn"),

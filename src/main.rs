@@ -114,7 +114,9 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Man => {
-            clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?;
+            clap_mangen::Man::new(Cli::command())
+                .section("8")
+                .render(&mut std::io::stdout())?;
             Ok(())
         }
     }

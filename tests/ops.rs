@@ -459,7 +459,8 @@ fn socket_activation_serves_the_passed_listener() {
         .unwrap();
     assert!(version.starts_with('1') || version.starts_with('2'));
     assert!(!dir.path().join("not-bound.sock").exists());
-    // On exit imgbridge leaves systemd's socket file alone.
+    drop(rt); // close the client connection, so shutdown has nothing to drain
+              // On exit imgbridge leaves systemd's socket file alone.
     nix_kill_term(child.0.id());
     let status = child.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
@@ -617,9 +618,6 @@ fn version_completions_and_man_page() {
     }
     let out = Command::new(BIN).arg("man").output().unwrap();
     let man = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        man.starts_with(".ie") || man.contains(".TH imgbridge"),
-        "{man}"
-    );
+    assert!(man.contains(".TH imgbridge 8"), "{man}");
     assert!(man.contains("doctor"));
 }
