@@ -14,11 +14,13 @@ cargo build --release --bin imgbridge
 bin=target/release/imgbridge
 
 echo "== generating man page and completions into target/assets"
-mkdir -p target/assets
-"$bin" man | gzip -9n > target/assets/imgbridge.8.gz
+rm -rf target/assets && mkdir -p target/assets/man
+"$bin" man --dir target/assets/man
+gzip -9n target/assets/man/*.8
 "$bin" completions bash > target/assets/imgbridge.bash
 "$bin" completions zsh > target/assets/_imgbridge
 "$bin" completions fish > target/assets/imgbridge.fish
 
 echo "== cargo deb"
-cargo deb --no-build
+# Debug info (profile.release debug = 1) goes into a separate -dbgsym package.
+cargo deb --no-build --dbgsym

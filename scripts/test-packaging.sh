@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 scripts/build-deb.sh
 deb=$(ls -t target/debian/imgbridge_*.deb | head -n1)
+ls -l target/debian/
 echo "== package: $deb"
 dpkg-deb --info "$deb"
 dpkg-deb --contents "$deb"
@@ -25,6 +26,7 @@ want=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 echo "== installed files"
 for f in /lib/systemd/system/imgbridge.service /lib/systemd/system/imgbridge.socket \
          /etc/imgbridge/config.toml /usr/share/man/man8/imgbridge.8.gz \
+         /usr/share/man/man8/imgbridge-serve.8.gz /usr/share/man/man8/imgbridge-doctor.8.gz \
          /usr/share/bash-completion/completions/imgbridge; do
     [ -f "$f" ] || fail "missing $f"
     echo "ok $f"

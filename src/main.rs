@@ -27,8 +27,12 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the man page (roff) to stdout.
-    Man,
+    /// Print the man page (roff) to stdout, or write one page per command into a directory.
+    Man {
+        /// Write imgbridge.8 and imgbridge-<command>.8 here instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -113,13 +117,37 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Man => {
-            clap_mangen::Man::new(Cli::command())
-                .section("8")
-                .render(&mut std::io::stdout())?;
-            Ok(())
-        }
+        Command::Man { dir } => man(dir),
     }
+}
+
+fn man(dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let cmd = Cli::command();
+    let Some(dir) = dir else {
+        clap_mangen::Man::new(cmd)
+            .section("8")
+            .render(&mut std::io::stdout())?;
+        return Ok(());
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut pages = vec![cmd.clone()];
+    pages.extend(
+        cmd.get_subcommands()
+            .filter(|c| c.get_name() != "help")
+            .map(|c| {
+                c.clone()
+                    .display_name(format!("imgbridge-{}", c.get_name()))
+                    .bin_name(format!("imgbridge {}", c.get_name()))
+            }),
+    );
+    for page in pages {
+        let name = page.get_display_name().unwrap_or(page.get_name());
+        let path = dir.join(format!("{name}.8"));
+        let mut out =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        clap_mangen::Man::new(page).section("8").render(&mut out)?;
+    }
+    Ok(())
 }
 
 fn doctor(a: DoctorArgs) -> anyhow::Result<()> {

@@ -620,4 +620,17 @@ fn version_completions_and_man_page() {
     let man = String::from_utf8(out.stdout).unwrap();
     assert!(man.contains(".TH imgbridge 8"), "{man}");
     assert!(man.contains("doctor"));
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["man", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    for page in ["imgbridge", "imgbridge-serve", "imgbridge-doctor"] {
+        let text = std::fs::read_to_string(dir.path().join(format!("{page}.8"))).unwrap();
+        assert!(text.contains(&format!(".TH {page} 8")), "{page}");
+    }
+    let serve = std::fs::read_to_string(dir.path().join("imgbridge-serve.8")).unwrap();
+    assert!(serve.contains("metrics\\-listen"), "{serve}");
 }
