@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::containerd::Containerd;
+use crate::ops::{self, Ops};
 use crate::proxy::{self, ProxyConfig};
 use crate::replicate::{hooks::ImageHooks, Replicator, Settings};
 
@@ -19,6 +20,8 @@ pub enum ServeError {
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
     Proxy(#[from] proxy::ProxyError),
+    #[error(transparent)]
+    Ops(#[from] ops::http::HttpError),
 }
 
 /// Optional extra listeners the caller already bound.
@@ -38,6 +41,13 @@ pub async fn serve(
     config.validate()?;
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
+    // Metrics, readiness and /status; hand `ops.metrics` / `ops.readiness` to
+    // the parts wired below.
+    let ops = Ops::new(config.clone());
+    if !config.metrics.listen.is_empty() {
+        let l = ops::http::bind(&config.metrics.listen).await?;
+        tasks.push(tokio::spawn(ops::http::serve(l, ops.clone(), stop.clone())));
+    }
     if let Some(l) = extra.ttrpc {
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
@@ -45,19 +55,19 @@ pub async fn serve(
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
     let containerd = Containerd::new(&config.upstream);
-    let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication));
+    let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication))
+        .with_metrics(ops.metrics.clone());
     tasks.push(replicator.start(stop.clone()));
-    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if config.reconcile.enabled {
+        let first_pass = ops.readiness.gate("first reconcile");
         tasks.push(tokio::spawn(crate::reconcile::run(
             replicator.clone(),
             config.reconcile.events,
-            ready.clone(),
+            first_pass,
             stop.clone(),
         )));
-    } else {
-        ready.store(true, std::sync::atomic::Ordering::Release);
     }
+    pc.observer = Some(ops.metrics.clone());
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));
     let result = proxy::serve(listener, pc, hooks, shutdown).await;
     stop.cancel();

@@ -274,6 +274,18 @@ impl Config {
                 ));
             }
         }
+        if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&self.log.filter) {
+            return bad(format!("log.filter {:?}: {e}", self.log.filter));
+        }
+        let m = &self.metrics.listen;
+        if !m.is_empty() && !m.contains('/') {
+            let port = m.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>()));
+            if !matches!(port, Some((h, Ok(_))) if !h.is_empty()) {
+                return bad(format!(
+                    "metrics.listen {m:?}: expected host:port (e.g. \"127.0.0.1:9090\") or a Unix socket path"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -388,6 +400,153 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("nuke"), "{e}");
+    }
+
+    /// The shipped example, `packaging/config.toml`.
+    const EXAMPLE: &str = include_str!("../packaging/config.toml");
+
+    /// Dotted paths of every key in `v` (array-of-tables items under their
+    /// array's path).
+    fn keys(prefix: &str, v: &toml::Value, out: &mut Vec<String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let p = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    if !matches!(v, toml::Value::Table(_)) {
+                        out.push(p.clone());
+                    }
+                    keys(&p, v, out);
+                }
+            }
+            toml::Value::Array(a) => {
+                for item in a.iter().filter(|i| i.is_table()) {
+                    keys(prefix, item, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Every key `Config` serialises, including those of an import dir.
+    pub(crate) fn all_keys() -> Vec<String> {
+        let mut c = Config::default();
+        c.import.dirs.push(ImportDir {
+            path: "/d".into(),
+            namespace: k8s_ns(),
+        });
+        let mut out = Vec::new();
+        keys("", &toml::from_str(&c.to_toml()).unwrap(), &mut out);
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    #[test]
+    fn example_config_is_the_default() {
+        let c = Config::from_toml(EXAMPLE, Path::new("packaging/config.toml")).unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn example_config_lists_every_key() {
+        let example: toml::Value = toml::from_str(EXAMPLE).unwrap();
+        let mut live = Vec::new();
+        keys("", &example, &mut live);
+        let mut defaults = Vec::new();
+        keys(
+            "",
+            &toml::from_str(&Config::default().to_toml()).unwrap(),
+            &mut defaults,
+        );
+        for k in &defaults {
+            assert!(live.contains(k), "packaging/config.toml lacks key {k}");
+        }
+        // Keys that only exist inside a list entry (import.dirs) appear as
+        // commented-out examples.
+        for k in all_keys().iter().filter(|k| !defaults.contains(k)) {
+            let leaf = k.rsplit('.').next().unwrap();
+            let documented = EXAMPLE.lines().any(|l| {
+                l.trim_start_matches(['#', ' '])
+                    .strip_prefix(leaf)
+                    .is_some_and(|r| r.trim_start().starts_with('='))
+            });
+            assert!(documented, "packaging/config.toml does not document {k}");
+        }
+        assert!(EXAMPLE.contains("# [[import.dirs]]"));
+    }
+
+    #[test]
+    fn readme_configuration_table_lists_every_key() {
+        // The fragment, or the README once it is merged there.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let docs: String = ["docs/README-ops.md", "README.md"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(root.join(f)).ok())
+            .collect();
+        for k in all_keys() {
+            assert!(
+                docs.contains(&format!("| `{k}` |")),
+                "the README configuration table lacks `{k}`"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_rejected_at_every_level() {
+        for (text, key) in [
+            ("listn = \"/x\"\n", "listn"),
+            ("[metrics]\nlisten_addr = \"x\"\n", "listen_addr"),
+            ("[log]\nlevel = \"debug\"\n", "level"),
+            ("[[import.dirs]]\npath = \"/d\"\nns = \"k8s.io\"\n", "ns"),
+            ("[bogus]\nx = 1\n", "bogus"),
+        ] {
+            let e = Config::from_toml(text, Path::new("c.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains("c.toml"), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn invalid_values_named() {
+        // Wrong types: toml's error quotes the offending line, key included.
+        for (text, key) in [
+            ("ttrpc = \"yes\"\n", "ttrpc"),
+            ("drain_timeout = 10\n", "drain_timeout"),
+            (
+                "[import]\nmax_decompressed_bytes = -1\n",
+                "max_decompressed_bytes",
+            ),
+            ("[replication]\non_failure = \"explode\"\n", "on_failure"),
+        ] {
+            let e = Config::from_toml(text, Path::new("c.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{text:?}: {e}");
+        }
+        // Well-typed but invalid: validate() names the key.
+        let check = |f: &dyn Fn(&mut Config), key: &str| {
+            let mut c = Config::default();
+            f(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        };
+        check(&|c| c.socket_mode = "999".into(), "socket_mode");
+        check(&|c| c.log.format = "xml".into(), "log.format");
+        check(&|c| c.log.filter = "imgbridge=loud".into(), "log.filter");
+        check(&|c| c.metrics.listen = "9090".into(), "metrics.listen");
+        check(&|c| c.metrics.listen = ":9090".into(), "metrics.listen");
+        let mut c = Config::default();
+        c.metrics.listen = "127.0.0.1:9090".into();
+        c.validate().unwrap();
+        c.metrics.listen = "localhost:0".into();
+        c.validate().unwrap();
+        c.metrics.listen = "/run/imgbridge/metrics.sock".into();
+        c.validate().unwrap();
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! Command line: parse, load configuration, run.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use imgbridge::config::Config;
 use imgbridge::proxy::listener::{self, SocketPerms};
 
@@ -21,6 +22,28 @@ enum Command {
     Serve(ServeArgs),
     /// Run one reconcile pass (repair every target), then exit 0, or 1 listing what could not be repaired.
     Sync(SyncArgs),
+    /// Check this node (containerd, CRI, sockets, directories) and say what to fix; exits 1 on any ✗.
+    Doctor(DoctorArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff) to stdout, or write one page per command into a directory.
+    Man {
+        /// Write imgbridge.8 and imgbridge-<command>.8 here instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+struct DoctorArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The proxy socket to check (default: listen from the configuration).
+    #[arg(long)]
+    listen: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -58,6 +81,15 @@ struct ServeArgs {
     /// Group owning the socket (name or gid; default root).
     #[arg(long)]
     socket_group: Option<String>,
+    /// Serve /metrics, /healthz, /readyz, /status on ADDR: TCP host:port, or a Unix socket path (contains '/').
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+    /// Log format.
+    #[arg(long, value_parser = ["text", "json"])]
+    log_format: Option<String>,
+    /// Log filter, RUST_LOG syntax (the RUST_LOG variable wins when set).
+    #[arg(long, value_name = "FILTER")]
+    log_filter: Option<String>,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -84,7 +116,77 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(a) => serve(a),
         Command::Sync(a) => sync(a),
+        Command::Doctor(a) => doctor(a),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "imgbridge",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Command::Man { dir } => man(dir),
     }
+}
+
+fn man(dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let cmd = Cli::command();
+    let Some(dir) = dir else {
+        clap_mangen::Man::new(cmd)
+            .section("8")
+            .render(&mut std::io::stdout())?;
+        return Ok(());
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut pages = vec![cmd.clone()];
+    pages.extend(
+        cmd.get_subcommands()
+            .filter(|c| c.get_name() != "help")
+            .map(|c| {
+                c.clone()
+                    .display_name(format!("imgbridge-{}", c.get_name()))
+                    .bin_name(format!("imgbridge {}", c.get_name()))
+            }),
+    );
+    for page in pages {
+        let name = page.get_display_name().unwrap_or(page.get_name());
+        let path = dir.join(format!("{name}.8"));
+        let mut out =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        clap_mangen::Man::new(page).section("8").render(&mut out)?;
+    }
+    Ok(())
+}
+
+fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
+    let (mut c, load_error) = match a.common.load() {
+        Ok(c) => (c, None),
+        Err(e) => {
+            let mut c = Config::default();
+            if let Some(u) = &a.common.upstream {
+                c.upstream = u.clone();
+            }
+            (c, Some(e))
+        }
+    };
+    if let Some(l) = a.listen {
+        c.listen = l;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let load_error = load_error.map(|e| e.to_string());
+    let report = rt.block_on(imgbridge::ops::doctor::run(
+        &c,
+        load_error.as_ref().map(|e| e as &dyn std::fmt::Display),
+    ));
+    let _ = write!(std::io::stdout(), "{report}");
+    if report.failed() {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -98,12 +200,23 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(g) = a.socket_group {
         c.socket_group = g;
     }
+    if let Some(m) = a.metrics_listen {
+        c.metrics.listen = m;
+    }
+    if let Some(f) = a.log_format {
+        c.log.format = f;
+    }
+    if let Some(f) = a.log_filter {
+        c.log.filter = f;
+    }
     c.validate()?;
     if a.print_config {
         print!("{}", c.to_toml());
         return Ok(());
     }
-    init_logging(&c);
+    imgbridge::ops::logging::init(&c.log)?;
+    // Before any thread starts: this reads and clears LISTEN_* variables.
+    let activated = imgbridge::ops::activation::from_env()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -113,23 +226,42 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             mode: c.socket_mode()?,
             gid: c.socket_gid()?,
         };
-        let l = listener::bind(&c.listen, perms)?;
-        let ttrpc = if c.ttrpc {
-            Some(listener::bind(&imgbridge::app::ttrpc_path(&c.listen), perms)?)
-        } else {
-            None
+        // Socket activation: systemd owns the sockets (and their files).
+        let owned = activated.is_none();
+        let (l, ttrpc) = match activated {
+            Some(a) => {
+                let ttrpc = a.ttrpc.map(tokio::net::UnixListener::from_std).transpose()?;
+                (tokio::net::UnixListener::from_std(a.grpc)?, ttrpc)
+            }
+            None => {
+                let l = listener::bind(&c.listen, perms)?;
+                let ttrpc = if c.ttrpc {
+                    Some(listener::bind(&imgbridge::app::ttrpc_path(&c.listen), perms)?)
+                } else {
+                    None
+                };
+                (l, ttrpc)
+            }
         };
-        tracing::info!(listen = %c.listen.display(), upstream = %c.upstream.display(), "imgbridge serving");
+        let shutdown = shutdown_signal();
+        let bound = l
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+            .unwrap_or_else(|| c.listen.display().to_string());
+        tracing::info!(listen = %bound, socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         let listen = c.listen.clone();
         let res = imgbridge::serve(
             l,
             imgbridge::app::Listeners { ttrpc },
             Arc::new(c.clone()),
-            shutdown_signal(),
+            shutdown,
         )
         .await;
-        let _ = std::fs::remove_file(&listen);
-        if c.ttrpc {
+        if owned {
+            let _ = std::fs::remove_file(&listen);
+        }
+        if owned && c.ttrpc {
             let _ = std::fs::remove_file(imgbridge::app::ttrpc_path(&listen));
         }
         tracing::info!("imgbridge stopped");
@@ -140,7 +272,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
 fn sync(a: SyncArgs) -> anyhow::Result<()> {
     let c = a.common.load()?;
     c.validate()?;
-    init_logging(&c);
+    imgbridge::ops::logging::init(&c.log)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -163,32 +295,16 @@ fn sync(a: SyncArgs) -> anyhow::Result<()> {
     std::process::exit(1);
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM/SIGINT handlers now (so a stop right after start is
+/// graceful too) and resolves on the first signal.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
-}
-
-fn init_logging(c: &Config) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        EnvFilter::new(if c.log.filter.is_empty() {
-            "info"
-        } else {
-            &c.log.filter
-        })
-    });
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if c.log.format == "json" {
-        b.json().init();
-    } else {
-        b.init();
+    async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
     }
 }

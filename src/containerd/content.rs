@@ -206,6 +206,7 @@ impl Containerd {
     }
 }
 
+#[allow(clippy::large_enum_variant)] // one per blob, short-lived
 enum Opened {
     Present,
     Writer(Writer),

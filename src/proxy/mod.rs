@@ -8,6 +8,7 @@ pub mod body;
 pub mod grpc;
 pub mod intercept;
 pub mod listener;
+pub mod observe;
 pub mod raw;
 pub mod tuning;
 pub mod upstream;
@@ -29,6 +30,8 @@ use tokio::net::{UnixListener, UnixStream};
 
 use body::{replay, ProxyBody};
 pub use intercept::{CallInfo, Hook, Interceptor, NoIntercept};
+pub use observe::CallObserver;
+use observe::{CallGuard, Observed};
 pub use tuning::Tuning;
 use upstream::Upstream;
 
@@ -43,6 +46,8 @@ pub struct ProxyConfig {
     /// How long in-flight calls may run after shutdown was requested.
     pub drain_timeout: Duration,
     pub tuning: Tuning,
+    /// Receives per-call metrics (method, grpc-status, bytes); `None` = off.
+    pub observer: Option<Arc<dyn CallObserver>>,
 }
 
 impl ProxyConfig {
@@ -51,6 +56,7 @@ impl ProxyConfig {
             upstream: upstream.into(),
             drain_timeout: Duration::from_secs(10),
             tuning: Tuning::default(),
+            observer: None,
         }
     }
 }
@@ -96,6 +102,7 @@ pub async fn serve(
         let conn = Arc::new(Connection {
             upstream: Upstream::new(upstream_path.clone(), config.tuning),
             interceptor: interceptor.clone(),
+            observer: config.observer.clone(),
         });
         let peer = peer_label(&stream);
         let svc = service_fn(move |req| conn.clone().handle(req));
@@ -129,13 +136,15 @@ fn peer_label(s: &UnixStream) -> String {
 struct Connection {
     upstream: Upstream,
     interceptor: Arc<dyn Interceptor>,
+    observer: Option<Arc<dyn CallObserver>>,
 }
 
 impl Connection {
     async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    ) -> Result<Response<Observed<ProxyBody>>, Infallible> {
+        let guard = (self.observer.as_ref()).map(|o| CallGuard::new(o.clone(), req.uri().path()));
         let call = CallInfo {
             method: req.uri().path().to_owned(),
             namespace: req
@@ -147,13 +156,14 @@ impl Connection {
         let hook = self.interceptor.select(&call);
         let (mut parts, body) = req.into_parts();
         parts.uri = upstream_uri(&parts.uri);
-        Ok(match hook {
+        let resp = match hook {
             None => {
                 self.forward(Request::from_parts(parts, Either::Left(body)))
                     .await
             }
             Some(hook) => self.held(call, hook, parts, body).await,
-        })
+        };
+        Ok(observe::response(resp, guard))
     }
 
     /// Passthrough: both bodies stream untouched.

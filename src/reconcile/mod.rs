@@ -2,7 +2,6 @@
 //! a full pass at start and after every reconnect, and an events
 //! subscription as a backstop. Both reuse the one replication path.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +11,8 @@ use prost::Message;
 use tokio_util::sync::CancellationToken;
 
 use crate::containerd::request;
+use crate::ops::metrics::Outcome;
+use crate::ops::Gate;
 use crate::replicate::Replicator;
 
 /// Images replicated at once during a pass.
@@ -58,13 +59,8 @@ pub async fn pass(r: &Replicator) -> Report {
 
 /// Keeps targets in sync until `shutdown`: pass, subscribe, follow events;
 /// on any break (containerd restart) wait for it, pass again, resubscribe.
-/// `ready` is set after the first completed pass.
-pub async fn run(
-    r: Arc<Replicator>,
-    events: bool,
-    ready: Arc<AtomicBool>,
-    shutdown: CancellationToken,
-) {
+/// `first_pass` opens after the first completed pass (readiness).
+pub async fn run(r: Arc<Replicator>, events: bool, first_pass: Gate, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(50);
     loop {
         if shutdown.is_cancelled() {
@@ -88,7 +84,14 @@ pub async fn run(
         });
         let report = pass(&r).await;
         log_report(&report);
-        ready.store(true, Ordering::Release);
+        if let Some(m) = r.metrics() {
+            m.reconcile_pass(if report.failed.is_empty() {
+                Outcome::Ok
+            } else {
+                Outcome::Failed
+            });
+        }
+        first_pass.open();
         match sub {
             Some((abort, task)) => {
                 let followed = async {

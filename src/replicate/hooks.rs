@@ -47,7 +47,7 @@ impl Interceptor for ImageHooks {
             CREATE => Some(typed(
                 move |_: CreateImageRequest, resp: CreateImageResponse| async move {
                     match resp.image {
-                        Some(img) => r.on_write(&ns, &img.name).await,
+                        Some(img) => r.on_write(CREATE, &ns, &img.name).await,
                         None => Ok(()),
                     }
                 },
@@ -55,7 +55,7 @@ impl Interceptor for ImageHooks {
             UPDATE => Some(typed(
                 move |_: UpdateImageRequest, resp: UpdateImageResponse| async move {
                     match resp.image {
-                        Some(img) => r.on_write(&ns, &img.name).await,
+                        Some(img) => r.on_write(UPDATE, &ns, &img.name).await,
                         None => Ok(()),
                     }
                 },
@@ -138,7 +138,7 @@ impl Hook for TransferHook {
                 .collect();
             changed.sort();
             for name in changed {
-                self.r.on_write(&self.ns, &name).await?;
+                self.r.on_write(TRANSFER, &self.ns, &name).await?;
             }
             Ok(())
         })

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, DeletePolicy, OnFailure};
 use crate::containerd::content::BlobRef;
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
+use crate::ops::metrics::{Metrics, Outcome as MetricOutcome};
 use crate::reference::Reference;
 use tree::Child;
 
@@ -131,6 +132,7 @@ pub struct Replicator {
     pending: pending::Pending,
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
+    metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
 /// Result of looking at one blob.
@@ -151,7 +153,18 @@ impl Replicator {
             pending: pending::Pending::default(),
             nodes: Default::default(),
             cri: OnceCell::new(),
+            metrics: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Reports outcomes, latencies and pending work to `m`.
+    pub fn with_metrics(self: Arc<Self>, m: Arc<Metrics>) -> Arc<Self> {
+        let _ = self.metrics.set(m);
+        self
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&Metrics> {
+        self.metrics.get().map(|m| &**m)
     }
 
     pub fn settings(&self) -> &Settings {
@@ -188,11 +201,28 @@ impl Replicator {
         let mut total = Outcome::default();
         let mut first_err = None;
         for target in &self.s.targets {
+            let started = Instant::now();
             let r = tokio::time::timeout(
                 self.s.timeout,
                 self.replicate_into(source, target, name, wait_cri),
             )
             .await;
+            if let Some(m) = self.metrics() {
+                let outcome = match &r {
+                    Ok(Ok(o)) if o.skipped || (o.writes == 0 && o.pending == 0) => {
+                        MetricOutcome::Skipped
+                    }
+                    Ok(Ok(_)) => MetricOutcome::Ok,
+                    _ => MetricOutcome::Failed,
+                };
+                m.replication(target, outcome, started.elapsed());
+                let key = format!("{source}/{name}");
+                match &r {
+                    Ok(Ok(_)) => m.clear_image_error(&key),
+                    Ok(Err(e)) => m.image_error(&key, target, e),
+                    Err(_) => m.image_error(&key, target, &"timed out"),
+                }
+            }
             match r {
                 Ok(Ok(o)) => total.absorb(o),
                 Ok(Err(e)) => {
@@ -522,11 +552,17 @@ impl Replicator {
         if !has_cri || configs.is_empty() {
             return Ok(());
         }
-        let deadline = Instant::now() + self.s.cri_wait;
+        let started = Instant::now();
+        let deadline = started + self.s.cri_wait;
         let mut delay = Duration::from_millis(1);
         loop {
             match self.c.cri_image_id(name).await {
-                Ok(Some(id)) if configs.contains(&id) => return Ok(()),
+                Ok(Some(id)) if configs.contains(&id) => {
+                    if let Some(m) = self.metrics() {
+                        m.cri_wait(started.elapsed());
+                    }
+                    return Ok(());
+                }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
             }
@@ -597,20 +633,30 @@ impl Replicator {
 
     /// The proxy path: replicate, then apply `on_failure`. An error here is
     /// what the caller receives.
-    pub async fn on_write(self: &Arc<Self>, source: &str, name: &str) -> Result<(), tonic::Status> {
+    pub async fn on_write(
+        self: &Arc<Self>,
+        method: &str,
+        source: &str,
+        name: &str,
+    ) -> Result<(), tonic::Status> {
+        use tracing::Instrument;
         let me = self.clone();
         let (src, n) = (source.to_string(), name.to_string());
+        let span = crate::ops::trace::InterceptSpan::new(method, source, name);
         // Detached: a caller that gives up must not leave a replica half done.
-        let res = tokio::spawn(async move { me.replicate(&src, &n, true).await })
-            .await
-            .unwrap_or_else(|e| {
-                Err(Error::Containerd {
-                    image: name.into(),
-                    source_ns: source.into(),
-                    target: "*".into(),
-                    cause: ctrd::Error::Protocol(format!("replication task failed: {e}")),
-                })
-            });
+        let res = tokio::spawn(
+            async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone()),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            Err(Error::Containerd {
+                image: name.into(),
+                source_ns: source.into(),
+                target: "*".into(),
+                cause: ctrd::Error::Protocol(format!("replication task failed: {e}")),
+            })
+        });
+        span.finish(&res);
         match res {
             Ok(_) => Ok(()),
             Err(e) => match self.s.on_failure {

@@ -67,7 +67,17 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(TICK) => {}
         }
-        for it in r.pending.snapshot() {
+        let items = r.pending.snapshot();
+        if let Some(m) = r.metrics() {
+            let images: std::collections::HashSet<_> =
+                items.iter().map(|i| (&i.source, &i.image)).collect();
+            m.set_pending(crate::ops::metrics::Pending {
+                blobs: items.len() as u64,
+                images: images.len() as u64,
+                ..m.pending()
+            });
+        }
+        for it in items {
             if it.since.elapsed() > r.s.pending_give_up {
                 tracing::warn!(image = %it.image, digest = %it.child.digest, source = %it.source, target = %it.target,
                     "gave up waiting for blob to appear in the source; pull or rebuild the image, then run `imgbridge sync`");

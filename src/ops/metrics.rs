@@ -1,0 +1,561 @@
+//! Prometheus metrics and the small amount of state `/status` reports.
+//!
+//! One [`Metrics`] is created per process ([`super::Ops::new`]) and shared as
+//! `Arc<Metrics>` by the proxy, the replicator, the reconciler and the
+//! importer. Every recording method is cheap (an atomic add, or a read-locked
+//! map lookup plus an atomic add) and never blocks on I/O, so it can be called
+//! on hot paths. Nothing here allocates per DATA frame.
+//!
+//! Metric names (all prefixed `imgbridge_`):
+//!
+//! | metric | type | labels | recorded by |
+//! |---|---|---|---|
+//! | `proxy_calls_total` | counter | `method`, `grpc_status` | proxy ([`CallObserver`]) |
+//! | `proxy_streams_in_flight` | gauge | | proxy |
+//! | `proxy_relayed_bytes_total` | counter | | proxy (response DATA bytes, containerd → client) |
+//! | `replications_total` | counter | `outcome`, `target` | [`Metrics::replication`] |
+//! | `replication_duration_seconds` | histogram | | [`Metrics::replication`] |
+//! | `cri_wait_duration_seconds` | histogram | | [`Metrics::cri_wait`] |
+//! | `pending_blobs` | gauge | | [`Metrics::set_pending`] |
+//! | `reconcile_passes_total` | counter | `outcome` | [`Metrics::reconcile_pass`] |
+//! | `imported_files_total` | counter | `outcome` | [`Metrics::imported_file`] |
+//! | `pins_total` / `unpins_total` | counter | | [`Metrics::pinned`] / [`Metrics::unpinned`] |
+//! | `build_info` | info (=1) | `version`, `commit` | at start |
+
+use std::collections::HashMap;
+use std::fmt::{self, Display};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+use serde::Serialize;
+
+use crate::proxy::observe::CallObserver;
+
+/// Most distinct `(method, grpc_status)` series kept; further new methods are
+/// counted as `method="other"` so a misbehaving client cannot blow up the
+/// scrape size.
+pub const MAX_CALL_SERIES: usize = 512;
+
+/// Most entries kept in each "last errors" map (images, files); the oldest
+/// entry is evicted first.
+pub const MAX_LAST_ERRORS: usize = 256;
+
+/// The result of one unit of work, as a bounded label value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Done, and the result is visible (`outcome="ok"`).
+    Ok,
+    /// Gave up with an error (`outcome="failed"`).
+    Failed,
+    /// Nothing to do: unchanged, filtered out, not applicable (`outcome="skipped"`).
+    Skipped,
+    /// Accepted, but finishes later, e.g. a replica written while some blobs
+    /// are still missing in the source (`outcome="deferred"`).
+    Deferred,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Failed => "failed",
+            Outcome::Skipped => "skipped",
+            Outcome::Deferred => "deferred",
+        }
+    }
+
+    /// `Ok` for `Ok(_)`, `Failed` for `Err(_)`.
+    pub fn of<T, E>(r: &Result<T, E>) -> Outcome {
+        if r.is_ok() {
+            Outcome::Ok
+        } else {
+            Outcome::Failed
+        }
+    }
+}
+
+impl Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Work not finished yet, as `/status` shows it. Set as a whole with
+/// [`Metrics::set_pending`] by whoever owns the queue.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Pending {
+    /// Blobs a replica is still waiting for (not yet present in the source).
+    pub blobs: u64,
+    /// Images whose replication is not complete (waiting for blobs or retrying).
+    pub images: u64,
+    /// Files in watched directories waiting to be imported (or retried).
+    pub files: u64,
+}
+
+/// One remembered error, as `/status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LastError {
+    /// The error text (the `Display` of the error chain's head).
+    pub error: String,
+    /// Target namespace, pull-list line or other context; empty when none.
+    pub context: String,
+    /// Unix time in seconds when it happened.
+    pub at_unix: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    method: String,
+    grpc_status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicationLabels {
+    outcome: &'static str,
+    target: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
+/// All metrics of the process, plus the pending summary and last errors
+/// `/status` reports. Share it as `Arc<Metrics>`.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    calls: Family<CallLabels, Counter>,
+    call_series: AtomicUsize,
+    in_flight: Gauge,
+    relayed_bytes: Counter<u64, AtomicU64>,
+    replications: Family<ReplicationLabels, Counter>,
+    replication_seconds: Histogram,
+    cri_wait_seconds: Histogram,
+    pending_blobs: Gauge,
+    reconcile_passes: Family<OutcomeLabels, Counter>,
+    imported_files: Family<OutcomeLabels, Counter>,
+    pins: Counter,
+    unpins: Counter,
+    pending: Mutex<Pending>,
+    image_errors: Mutex<HashMap<String, LastError>>,
+    file_errors: Mutex<HashMap<String, LastError>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric (all start at zero).
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("imgbridge");
+        let m = Metrics {
+            registry: Registry::default(),
+            calls: Family::default(),
+            call_series: AtomicUsize::new(0),
+            in_flight: Gauge::default(),
+            relayed_bytes: Counter::default(),
+            replications: Family::default(),
+            replication_seconds: Histogram::new(exponential_buckets(0.001, 2.5, 14)),
+            cri_wait_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            pending_blobs: Gauge::default(),
+            reconcile_passes: Family::default(),
+            imported_files: Family::default(),
+            pins: Counter::default(),
+            unpins: Counter::default(),
+            pending: Mutex::new(Pending::default()),
+            image_errors: Mutex::new(HashMap::new()),
+            file_errors: Mutex::new(HashMap::new()),
+        };
+        registry.register(
+            "proxy_calls",
+            "gRPC calls relayed, by method and final grpc-status (\"none\": the stream ended without one)",
+            m.calls.clone(),
+        );
+        registry.register(
+            "proxy_streams_in_flight",
+            "gRPC calls (HTTP/2 streams) currently being relayed",
+            m.in_flight.clone(),
+        );
+        registry.register_with_unit(
+            "proxy_relayed",
+            "Response DATA bytes relayed from containerd to clients",
+            Unit::Bytes,
+            m.relayed_bytes.clone(),
+        );
+        registry.register(
+            "replications",
+            "Replications of one image into one target namespace, by outcome",
+            m.replications.clone(),
+        );
+        registry.register_with_unit(
+            "replication_duration",
+            "Time to replicate one image into one target (all outcomes)",
+            Unit::Seconds,
+            m.replication_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "cri_wait_duration",
+            "Time until CRI ImageStatus resolved a new replica",
+            Unit::Seconds,
+            m.cri_wait_seconds.clone(),
+        );
+        registry.register(
+            "pending_blobs",
+            "Blobs replicas are waiting for (not yet present in the source namespace)",
+            m.pending_blobs.clone(),
+        );
+        registry.register(
+            "reconcile_passes",
+            "Full reconcile passes (source namespaces → targets), by outcome",
+            m.reconcile_passes.clone(),
+        );
+        registry.register(
+            "imported_files",
+            "Archives and pull lists processed from watched directories, by outcome",
+            m.imported_files.clone(),
+        );
+        registry.register(
+            "pins",
+            "Images labelled io.cri-containerd.pinned by imgbridge",
+            m.pins.clone(),
+        );
+        registry.register("unpins", "Pins removed by imgbridge", m.unpins.clone());
+        registry.register(
+            "build",
+            "imgbridge version and git commit",
+            prometheus_client::metrics::info::Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+                commit: env!("IMGBRIDGE_GIT_COMMIT"),
+            }),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The OpenMetrics text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    // ---- replication (src/replicate) -------------------------------------
+
+    /// Records one replication of one image into `target` (a target
+    /// namespace) and how long it took, whatever the outcome. Call it once per
+    /// image and target, when the attempt ends (`Outcome::Deferred` when the
+    /// record is written but blobs are still pending). On `Failed`, also call
+    /// [`Metrics::image_error`]; on `Ok`, [`Metrics::clear_image_error`].
+    pub fn replication(&self, target: &str, outcome: Outcome, elapsed: Duration) {
+        self.replications
+            .get_or_create(&ReplicationLabels {
+                outcome: outcome.as_str(),
+                target: target.to_owned(),
+            })
+            .inc();
+        self.replication_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    /// Records how long CRI `ImageStatus` took to resolve a new replica
+    /// (only for waits that ended with the image visible).
+    pub fn cri_wait(&self, elapsed: Duration) {
+        self.cri_wait_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    /// Replaces the pending-work summary shown in `/status`; also sets the
+    /// `pending_blobs` gauge to `pending.blobs`. Call it whenever the owner's
+    /// queue changes (it takes a short mutex, no I/O).
+    pub fn set_pending(&self, pending: Pending) {
+        self.pending_blobs
+            .set(i64::try_from(pending.blobs).unwrap_or(i64::MAX));
+        *lock(&self.pending) = pending;
+    }
+
+    /// The current pending-work summary.
+    pub fn pending(&self) -> Pending {
+        lock(&self.pending).clone()
+    }
+
+    // ---- reconcile (src/reconcile) ----------------------------------------
+
+    /// Records one full reconcile pass (`Ok`, or `Failed` if it was cut short).
+    pub fn reconcile_pass(&self, outcome: Outcome) {
+        self.reconcile_passes
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    // ---- import (src/import) ----------------------------------------------
+
+    /// Records one processed file from a watched directory: `Ok` imported (or
+    /// pulled), `Skipped` unchanged or unsupported, `Failed` (then also call
+    /// [`Metrics::file_error`]; on success [`Metrics::clear_file_error`]).
+    pub fn imported_file(&self, outcome: Outcome) {
+        self.imported_files
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    /// Records that imgbridge set `io.cri-containerd.pinned=pinned` on one image.
+    pub fn pinned(&self) {
+        self.pins.inc();
+    }
+
+    /// Records that imgbridge removed its pin from one image.
+    pub fn unpinned(&self) {
+        self.unpins.inc();
+    }
+
+    // ---- last errors (shown in /status) ------------------------------------
+
+    /// Remembers the latest error for `image` (a full image name), with
+    /// `context` such as the target namespace. Keeps at most
+    /// [`MAX_LAST_ERRORS`] images, evicting the oldest.
+    pub fn image_error(&self, image: &str, context: &str, error: &dyn Display) {
+        remember(&self.image_errors, image, context, error);
+    }
+
+    /// Forgets the error of `image` (call after it replicated fine).
+    pub fn clear_image_error(&self, image: &str) {
+        lock(&self.image_errors).remove(image);
+    }
+
+    /// Remembers the latest error for a watched file, with `context` such as
+    /// the failing pull-list line. Same bound as [`Metrics::image_error`].
+    pub fn file_error(&self, path: &Path, context: &str, error: &dyn Display) {
+        remember(
+            &self.file_errors,
+            &path.display().to_string(),
+            context,
+            error,
+        );
+    }
+
+    /// Forgets the error of a watched file (imported fine, or deleted).
+    pub fn clear_file_error(&self, path: &Path) {
+        lock(&self.file_errors).remove(&path.display().to_string());
+    }
+
+    /// Last errors per image, as `/status` shows them.
+    pub fn image_errors(&self) -> HashMap<String, LastError> {
+        lock(&self.image_errors).clone()
+    }
+
+    /// Last errors per file, as `/status` shows them.
+    pub fn file_errors(&self) -> HashMap<String, LastError> {
+        lock(&self.file_errors).clone()
+    }
+}
+
+/// The proxy's side: called per call and per DATA frame.
+impl CallObserver for Metrics {
+    fn call_started(&self) {
+        self.in_flight.inc();
+    }
+
+    fn bytes_relayed(&self, n: u64) {
+        self.relayed_bytes.inc_by(n);
+    }
+
+    fn call_finished(&self, method: &str, grpc_status: Option<i32>) {
+        self.in_flight.dec();
+        let mut labels = CallLabels {
+            method: method_label(method).to_owned(),
+            grpc_status: status_label(grpc_status),
+        };
+        if let Some(c) = self.calls.get(&labels) {
+            c.inc();
+            return;
+        }
+        // A new series: count it, and fold it into "other" past the cap.
+        if self.call_series.fetch_add(1, Ordering::Relaxed) >= MAX_CALL_SERIES {
+            labels.method = "other".into();
+        }
+        self.calls.get_or_create(&labels).inc();
+    }
+}
+
+/// The `method` label for a request path: containerd services, CRI and gRPC
+/// infrastructure (health, reflection) verbatim, anything else `"other"`.
+pub fn method_label(path: &str) -> &str {
+    let known = ["/containerd.services.", "/runtime.v1", "/grpc."]
+        .iter()
+        .any(|p| path.starts_with(p));
+    let sane = path.len() <= 160
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b));
+    if known && sane {
+        path
+    } else {
+        "other"
+    }
+}
+
+/// The `grpc_status` label: the numeric code, `"none"` when the stream ended
+/// without a status, `"invalid"` for a value outside gRPC's codes.
+pub fn status_label(code: Option<i32>) -> &'static str {
+    const CODES: [&str; 17] = [
+        "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+    ];
+    match code {
+        None => "none",
+        Some(c) => usize::try_from(c)
+            .ok()
+            .and_then(|c| CODES.get(c))
+            .copied()
+            .unwrap_or("invalid"),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn remember(
+    map: &Mutex<HashMap<String, LastError>>,
+    key: &str,
+    context: &str,
+    error: &dyn Display,
+) {
+    let entry = LastError {
+        error: error.to_string(),
+        context: context.to_owned(),
+        at_unix: SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    let mut map = lock(map);
+    if map.len() >= MAX_LAST_ERRORS && !map.contains_key(key) {
+        if let Some(oldest) = map
+            .iter()
+            .min_by_key(|(_, e)| e.at_unix)
+            .map(|(k, _)| k.clone())
+        {
+            map.remove(&oldest);
+        }
+    }
+    map.insert(key.to_owned(), entry);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_label_is_bounded() {
+        let v = "/containerd.services.version.v1.Version/Version";
+        assert_eq!(method_label(v), v);
+        assert_eq!(
+            method_label("/runtime.v1.ImageService/ImageStatus"),
+            "/runtime.v1.ImageService/ImageStatus"
+        );
+        assert_eq!(
+            method_label("/grpc.health.v1.Health/Check"),
+            "/grpc.health.v1.Health/Check"
+        );
+        assert_eq!(method_label("/evil.Service/X"), "other");
+        assert_eq!(method_label("/containerd.services.x/\"}\n"), "other");
+        assert_eq!(method_label(&format!("/grpc.{}", "a".repeat(500))), "other");
+    }
+
+    #[test]
+    fn status_labels() {
+        assert_eq!(status_label(Some(0)), "0");
+        assert_eq!(status_label(Some(16)), "16");
+        assert_eq!(status_label(Some(17)), "invalid");
+        assert_eq!(status_label(Some(-1)), "invalid");
+        assert_eq!(status_label(None), "none");
+    }
+
+    #[test]
+    fn records_and_encodes() {
+        let m = Metrics::new();
+        m.call_started();
+        m.bytes_relayed(10);
+        assert!(m.encode().contains("imgbridge_proxy_streams_in_flight 1\n"));
+        m.call_finished("/containerd.services.version.v1.Version/Version", Some(0));
+        m.replication("k8s.io", Outcome::Ok, Duration::from_millis(12));
+        m.cri_wait(Duration::from_millis(3));
+        m.reconcile_pass(Outcome::Ok);
+        m.imported_file(Outcome::Failed);
+        m.pinned();
+        m.unpinned();
+        m.set_pending(Pending {
+            blobs: 3,
+            images: 1,
+            files: 0,
+        });
+        let text = m.encode();
+        for line in [
+            "imgbridge_proxy_calls_total{method=\"/containerd.services.version.v1.Version/Version\",grpc_status=\"0\"} 1",
+            "imgbridge_proxy_streams_in_flight 0",
+            "imgbridge_proxy_relayed_bytes_total 10",
+            "imgbridge_replications_total{outcome=\"ok\",target=\"k8s.io\"} 1",
+            "imgbridge_replication_duration_seconds_count 1",
+            "imgbridge_cri_wait_duration_seconds_count 1",
+            "imgbridge_pending_blobs 3",
+            "imgbridge_reconcile_passes_total{outcome=\"ok\"} 1",
+            "imgbridge_imported_files_total{outcome=\"failed\"} 1",
+            "imgbridge_pins_total 1",
+            "imgbridge_unpins_total 1",
+            "imgbridge_build_info{",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        assert_eq!(m.pending().images, 1);
+    }
+
+    #[test]
+    fn call_series_are_capped() {
+        let m = Metrics::new();
+        for i in 0..MAX_CALL_SERIES + 10 {
+            m.call_started();
+            m.call_finished(&format!("/containerd.services.x.v1.X/M{i}"), Some(0));
+        }
+        let series = m.encode().matches("imgbridge_proxy_calls_total{").count();
+        assert_eq!(series, MAX_CALL_SERIES + 1);
+        assert!(m
+            .encode()
+            .contains("imgbridge_proxy_calls_total{method=\"other\",grpc_status=\"0\"} 10"));
+    }
+
+    #[test]
+    fn last_errors_are_bounded_and_clearable() {
+        let m = Metrics::new();
+        for i in 0..MAX_LAST_ERRORS + 5 {
+            m.image_error(&format!("docker.io/library/a{i}:dev"), "k8s.io", &"boom");
+        }
+        assert_eq!(m.image_errors().len(), MAX_LAST_ERRORS);
+        m.image_error("docker.io/library/x:dev", "k8s.io", &"late");
+        assert_eq!(m.image_errors()["docker.io/library/x:dev"].error, "late");
+        m.clear_image_error("docker.io/library/x:dev");
+        assert!(!m.image_errors().contains_key("docker.io/library/x:dev"));
+        m.file_error(Path::new("/d/a.tar"), "", &"bad archive");
+        assert_eq!(m.file_errors()["/d/a.tar"].error, "bad archive");
+        m.clear_file_error(Path::new("/d/a.tar"));
+        assert!(m.file_errors().is_empty());
+    }
+}

@@ -1,0 +1,636 @@
+//! Operability, end to end through the built binary: metrics after real calls
+//! through the proxy against a real containerd, /healthz /readyz /status,
+//! doctor, systemd socket activation, logs, CLI surface.
+//!
+//! Each test starts its own containerd from a temporary directory (killed by
+//! pid on drop) and waits for it by polling with a deadline.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use imgbridge::containerd::{request, Containerd};
+use sha2::{Digest, Sha256};
+
+const BIN: &str = env!("CARGO_BIN_EXE_imgbridge");
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `f` until it returns `Some`, failing the test at the deadline.
+fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20)); // poll interval, not a wait
+    }
+}
+
+/// A private containerd on sockets in a temp dir.
+struct Ctrd {
+    dir: tempfile::TempDir,
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Ctrd {
+    fn start(cri: bool) -> Ctrd {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let sock = d.join("containerd.sock");
+        let disabled = if cri {
+            ""
+        } else {
+            "\"io.containerd.grpc.v1.cri\""
+        };
+        let config = format!(
+            "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\ndisabled_plugins = [{disabled}]\n\
+             [grpc]\n  address = \"{sock}\"\n[ttrpc]\n  address = \"{sock}.ttrpc\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_apparmor = true\n  restrict_oom_score_adj = true\n",
+            root = d.join("root").display(),
+            state = d.join("state").display(),
+            sock = sock.display(),
+        );
+        std::fs::write(d.join("config.toml"), config).unwrap();
+        let log = std::fs::File::create(d.join("containerd.log")).unwrap();
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(d.join("config.toml"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("containerd on PATH");
+        let c = Ctrd { dir, child, sock };
+        poll("containerd to answer", || {
+            ctr(&c.sock, &["version"]).status.success().then_some(())
+        });
+        c
+    }
+}
+
+impl Drop for Ctrd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = &self.dir;
+    }
+}
+
+fn ctr(sock: &Path, args: &[&str]) -> Output {
+    Command::new("ctr")
+        .arg("-a")
+        .arg(sock)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `imgbridge serve` in front of `upstream`, with the ops endpoint on TCP.
+struct Proxy {
+    child: Child,
+    sock: PathBuf,
+    metrics: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Proxy {
+    fn start(upstream: &Path, extra: &[&str]) -> Proxy {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("ib.sock");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let metrics = format!("127.0.0.1:{port}");
+        let child = Command::new(BIN)
+            .args(["serve", "--config", "/dev/null", "--listen"])
+            .arg(&sock)
+            .arg("--upstream")
+            .arg(upstream)
+            .args(["--metrics-listen", &metrics])
+            .args(extra)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let p = Proxy {
+            child,
+            sock,
+            metrics,
+            _dir: dir,
+        };
+        poll("imgbridge /healthz", || {
+            http_get(&p.metrics, "/healthz")
+                .filter(|(code, _)| *code == 200)
+                .map(|_| ())
+        });
+        poll("imgbridge socket", || {
+            std::os::unix::net::UnixStream::connect(&p.sock).ok()
+        });
+        p
+    }
+
+    fn scrape(&self) -> String {
+        let (code, body) = http_get(&self.metrics, "/metrics").expect("scrape");
+        assert_eq!(code, 200);
+        body
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.1 GET; `None` if nothing listens yet.
+fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let code = out.get(9..12)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n")?.1.to_string();
+    Some((code, body))
+}
+
+/// The value of the sample line starting with `series` (0 if absent).
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+const VERSION_OK: &str = "imgbridge_proxy_calls_total{method=\"/containerd.services.version.v1.Version/Version\",grpc_status=\"0\"}";
+const GET_NOT_FOUND: &str = "imgbridge_proxy_calls_total{method=\"/containerd.services.images.v1.Images/Get\",grpc_status=\"5\"}";
+const BYTES: &str = "imgbridge_proxy_relayed_bytes_total";
+
+#[test]
+fn metrics_count_real_calls_through_the_proxy() {
+    let c = Ctrd::start(false);
+    let p = Proxy::start(&c.sock, &[]);
+    let rt = rt();
+    let _enter = rt.enter();
+    let via = Containerd::new(&p.sock);
+
+    let before = p.scrape();
+    assert!(before.contains("imgbridge_build_info{"), "{before}");
+    let v0 = sample(&before, VERSION_OK);
+    let version = rt.block_on(via.version()).unwrap();
+    assert!(version.starts_with("1.") || version.starts_with("2."));
+    poll("Version/Version status 0 counted", || {
+        (sample(&p.scrape(), VERSION_OK) == v0 + 1.0).then_some(())
+    });
+
+    let nf0 = sample(&p.scrape(), GET_NOT_FOUND);
+    let err = rt
+        .block_on(via.images().get(request(
+            "default",
+            None,
+            containerd_client::services::v1::GetImageRequest {
+                name: "docker.io/library/nope:none".into(),
+            },
+        )))
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    poll("Images/Get status 5 counted", || {
+        (sample(&p.scrape(), GET_NOT_FOUND) == nf0 + 1.0).then_some(())
+    });
+
+    // A 1 MiB blob, read back through the proxy with ctr.
+    let blob: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&blob)));
+    let mut ingest = Command::new("ctr")
+        .arg("-a")
+        .arg(&c.sock)
+        .args(["content", "ingest", "--expected-size"])
+        .arg(blob.len().to_string())
+        .args(["--expected-digest", &digest, "test-blob"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ingest.stdin.take().unwrap().write_all(&blob).unwrap();
+    assert!(ingest.wait().unwrap().success());
+    let b0 = sample(&p.scrape(), BYTES);
+    let got = ctr(&p.sock, &["content", "get", &digest]);
+    assert!(
+        got.status.success(),
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert_eq!(got.stdout, blob);
+    let b1 = poll("relayed bytes to grow by the blob", || {
+        let b = sample(&p.scrape(), BYTES);
+        (b >= b0 + blob.len() as f64).then_some(b)
+    });
+    assert!(b1 < b0 + 2.0 * blob.len() as f64, "{b0} → {b1}");
+    poll("no stream left in flight", || {
+        (sample(&p.scrape(), "imgbridge_proxy_streams_in_flight") == 0.0).then_some(())
+    });
+
+    // Health, readiness, status.
+    assert_eq!(
+        http_get(&p.metrics, "/healthz").unwrap(),
+        (200, "ok\n".into())
+    );
+    let (code, body) = http_get(&p.metrics, "/readyz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = http_get(&p.metrics, "/status").unwrap();
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["ready"], true);
+    assert_eq!(status["upstream"]["version"], version.as_str());
+    assert_eq!(status["config"]["upstream"], c.sock.to_str().unwrap());
+    assert_eq!(status["config"]["metrics"]["listen"], p.metrics.as_str());
+    assert!(status["pending"]["blobs"].is_u64());
+    assert!(status["last_errors"]["images"].is_object());
+    assert!(status["last_errors"]["files"].is_object());
+
+    // Doctor against this containerd (CRI disabled): a warning, not a failure.
+    let out = Command::new(BIN)
+        .args(["doctor", "--config", "/dev/null", "--upstream"])
+        .arg(&c.sock)
+        .arg("--listen")
+        .arg(&p.sock)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("! CRI plugin: not loaded"), "{text}");
+    assert!(text.contains("✓ proxy: answers on"), "{text}");
+}
+
+#[test]
+fn readyz_fails_while_containerd_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Proxy::start(&dir.path().join("gone.sock"), &[]);
+    let (code, body) = http_get(&p.metrics, "/readyz").unwrap();
+    assert_eq!(code, 503);
+    assert!(body.contains("gone.sock"), "{body}");
+    let (_, body) = http_get(&p.metrics, "/status").unwrap();
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["ready"], false);
+    assert!(status["upstream"]["error"].is_string());
+    // The proxy answers its clients with UNAVAILABLE, counted as status 14.
+    let rt = rt();
+    let _enter = rt.enter();
+    let err = rt.block_on(Containerd::new(&p.sock).version()).unwrap_err();
+    assert!(err.is(tonic::Code::Unavailable), "{err}");
+    poll("status 14 counted", || {
+        (sample(
+            &p.scrape(),
+            "imgbridge_proxy_calls_total{method=\"/containerd.services.version.v1.Version/Version\",grpc_status=\"14\"}",
+        ) == 1.0)
+            .then_some(())
+    });
+}
+
+#[test]
+fn doctor_passes_on_a_healthy_node() {
+    let c = Ctrd::start(true);
+    assert!(ctr(&c.sock, &["namespaces", "create", "buildkit"])
+        .status
+        .success());
+    assert!(ctr(&c.sock, &["namespaces", "create", "k8s.io"])
+        .status
+        .success());
+    let p = Proxy::start(&c.sock, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = \"{}\"\n[import]\nstate_file = \"{}\"\n[[import.dirs]]\npath = \"{}\"\n",
+            p.sock.display(),
+            dir.path().join("state.json").display(),
+            images.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["doctor", "--config"])
+        .arg(&cfg)
+        .arg("--upstream")
+        .arg(&c.sock)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for line in [
+        "✓ configuration: valid; replicating buildkit → k8s.io",
+        "✓ upstream: containerd 1.",
+        "✓ content sharing: policy \"shared\"",
+        "✓ CRI plugin: loaded",
+        "✓ source namespaces: buildkit",
+        "✓ target namespaces: k8s.io",
+        "✓ proxy socket:",
+        "mode 0660",
+        "✓ proxy: answers on",
+        "✓ watched directory:",
+        "✓ import state:",
+        "0 failed",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    // containerd 1.6.20 predates the pinned label; import.pin is on by default.
+    use imgbridge::ops::doctor::{parse_version, pinned_support, PinnedSupport};
+    let rt = rt();
+    let _enter = rt.enter();
+    let version = rt.block_on(Containerd::new(&c.sock).version()).unwrap();
+    let pinned = text
+        .lines()
+        .find(|l| l.contains(" pinned label: "))
+        .unwrap();
+    match pinned_support(parse_version(&version).unwrap()) {
+        PinnedSupport::Full => assert!(pinned.starts_with("✓"), "{pinned}"),
+        PinnedSupport::Partial => assert!(pinned.starts_with("!"), "{pinned}"),
+        PinnedSupport::No => {
+            assert!(pinned.starts_with("! pinned label"), "{pinned}");
+            assert!(
+                pinned.contains("ignores io.cri-containerd.pinned"),
+                "{pinned}"
+            );
+        }
+    }
+}
+
+#[test]
+fn doctor_fails_on_missing_socket_and_bad_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["doctor", "--config", "/dev/null", "--upstream"])
+        .arg(dir.path().join("missing.sock"))
+        .arg("--listen")
+        .arg(dir.path().join("ib.sock"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let line = text.lines().find(|l| l.starts_with("✗ upstream:")).unwrap();
+    assert!(
+        line.contains("missing.sock") && line.contains("— fix: start containerd"),
+        "{line}"
+    );
+    assert!(text.contains("! proxy socket:"), "{text}");
+
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[replication]\npinn = true\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["doctor", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("✗ configuration:"))
+        .unwrap();
+    assert!(line.contains("pinn"), "{line}");
+}
+
+#[test]
+fn socket_activation_serves_the_passed_listener() {
+    let c = Ctrd::start(false);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("activated.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--config", "/dev/null", "--upstream"])
+        .arg(&c.sock)
+        // Never bound under activation: the passed socket is used instead.
+        .arg("--listen")
+        .arg(dir.path().join("not-bound.sock"))
+        .stderr(Stdio::null());
+    // SAFETY: only async-signal-safe calls plus setenv (glibc resets its
+    // locks in the child) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if fd == 3 {
+                let flags = libc::fcntl(3, libc::F_GETFD);
+                libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            } else if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let mut buf = [0u8; 24];
+            let pid = itoa(libc::getpid() as u32, &mut buf);
+            libc::setenv(c"LISTEN_PID".as_ptr(), pid.as_ptr().cast(), 1);
+            libc::setenv(c"LISTEN_FDS".as_ptr(), c"1".as_ptr(), 1);
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Kill(child);
+    drop(listener); // the child holds its copy (fd 3)
+    let rt = rt();
+    let version = rt
+        .block_on(async { tokio::time::timeout(DEADLINE, Containerd::new(&sock).version()).await })
+        .expect("answer through the activated socket")
+        .unwrap();
+    assert!(version.starts_with('1') || version.starts_with('2'));
+    assert!(!dir.path().join("not-bound.sock").exists());
+    drop(rt); // close the client connection, so shutdown has nothing to drain
+              // On exit imgbridge leaves systemd's socket file alone.
+    nix_kill_term(child.0.id());
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(sock.exists());
+}
+
+/// Writes `n` in decimal into `buf`, NUL-terminated; no allocation.
+fn itoa(mut n: u32, buf: &mut [u8; 24]) -> &[u8] {
+    let mut i = buf.len() - 1;
+    buf[i] = 0;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+fn nix_kill_term(pid: u32) {
+    // SAFETY: plain kill(2) on our own child.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGTERM);
+    }
+}
+
+#[test]
+fn json_logs_and_flags_override_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        "[log]\nformat = \"text\"\nfilter = \"warn\"\n[metrics]\nlisten = \"127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--print-config", "--config"])
+        .arg(&cfg)
+        .args([
+            "--log-format",
+            "json",
+            "--metrics-listen",
+            "/run/x/metrics.sock",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let eff: imgbridge::Config = toml::from_str(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    assert_eq!(eff.log.format, "json");
+    assert_eq!(eff.log.filter, "warn");
+    assert_eq!(eff.metrics.listen, "/run/x/metrics.sock");
+
+    // Logs as JSON lines on stderr (RUST_LOG wins over log.filter = "warn").
+    let mut child = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .args(["--log-format", "json", "--metrics-listen", "", "--listen"])
+        .arg(dir.path().join("ib.sock"))
+        .arg("--upstream")
+        .arg(dir.path().join("none.sock"))
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            if tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    let first = rx.recv_timeout(DEADLINE).expect("a log line");
+    nix_kill_term(child.id());
+    let v: serde_json::Value = serde_json::from_str(&first).expect("JSON log line");
+    assert_eq!(v["level"], "INFO", "{first}");
+    assert_eq!(v["fields"]["message"], "imgbridge serving", "{first}");
+    assert!(child.wait().unwrap().success());
+    let rest: Vec<String> = rx.iter().collect();
+    assert!(
+        rest.iter()
+            .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok()),
+        "{rest:?}"
+    );
+}
+
+#[test]
+fn print_config_rejects_unknown_keys_and_bad_values() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, key) in [
+        ("[metrics]\nlisten_on = \"x\"\n", "listen_on"),
+        ("[log]\nformat = \"xml\"\n", "log.format"),
+        ("[metrics]\nlisten = \"nope\"\n", "metrics.listen"),
+    ] {
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let out = Command::new(BIN)
+            .args(["serve", "--print-config", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text:?} accepted");
+        assert!(err.contains(key), "{text:?}: {err}");
+    }
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--print-config",
+            "--config",
+            "/dev/null",
+            "--log-format",
+            "xml",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--log-format"));
+}
+
+#[test]
+fn version_completions_and_man_page() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    let v = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        v.starts_with(&format!("imgbridge {} (", env!("CARGO_PKG_VERSION"))),
+        "{v}"
+    );
+    let commit = v.trim().rsplit_once('(').unwrap().1.trim_end_matches(')');
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{v}"
+    );
+    for (shell, marker) in [
+        ("bash", "_imgbridge()"),
+        ("zsh", "#compdef imgbridge"),
+        ("fish", "complete -c imgbridge"),
+    ] {
+        let out = Command::new(BIN)
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let s = String::from_utf8(out.stdout).unwrap();
+        assert!(s.contains(marker), "{shell}: {s}");
+        assert!(s.contains("metrics-listen"), "{shell}");
+    }
+    let out = Command::new(BIN).arg("man").output().unwrap();
+    let man = String::from_utf8(out.stdout).unwrap();
+    assert!(man.contains(".TH imgbridge 8"), "{man}");
+    assert!(man.contains("doctor"));
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["man", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    for page in ["imgbridge", "imgbridge-serve", "imgbridge-doctor"] {
+        let text = std::fs::read_to_string(dir.path().join(format!("{page}.8"))).unwrap();
+        assert!(text.contains(&format!(".TH {page} 8")), "{page}");
+    }
+    let serve = std::fs::read_to_string(dir.path().join("imgbridge-serve.8")).unwrap();
+    assert!(serve.contains("metrics\\-listen"), "{serve}");
+}
