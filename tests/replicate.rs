@@ -572,16 +572,25 @@ async fn delete_policies() {
         .await
         .unwrap();
         let after = get(c.socket(), K8S, &full).await;
+        let repo = name.split(':').next().unwrap();
+        let dref = get(
+            c.socket(),
+            K8S,
+            &format!("docker.io/library/{repo}@{}", target.digest),
+        )
+        .await;
+        let pinned =
+            |i: Option<api::Image>| i.unwrap().labels.contains_key("io.cri-containerd.pinned");
         match policy {
-            "unpin" => assert!(!after
-                .unwrap()
-                .labels
-                .contains_key("io.cri-containerd.pinned")),
-            "delete" => assert!(after.is_none(), "replica deleted"),
-            _ => assert!(after
-                .unwrap()
-                .labels
-                .contains_key("io.cri-containerd.pinned")),
+            "unpin" => assert!(
+                !pinned(after) && !pinned(dref),
+                "name and digest records unpinned"
+            ),
+            "delete" => assert!(
+                after.is_none() && dref.is_none(),
+                "name and digest records deleted"
+            ),
+            _ => assert!(pinned(after) && pinned(dref), "kept as they were"),
         }
     }
     // A k8s.io image imgbridge did not write is never touched. Reconcile is

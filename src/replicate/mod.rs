@@ -593,38 +593,68 @@ impl Replicator {
                 target: target.clone(),
                 cause,
             };
+            // nerdctl tag is Delete then Create: a late event must not undo
+            // the re-created image.
+            if self.c.get_image(source, name).await.map_err(err)?.is_some() {
+                continue;
+            }
             let Some(img) = self.c.get_image(target, &target_name).await.map_err(err)? else {
                 continue;
             };
-            if img.labels.get(SOURCE_LABEL).map(String::as_str) != Some(source) {
-                continue; // not ours: never touched
-            }
-            match self.s.delete_policy {
-                DeletePolicy::Keep => {}
-                DeletePolicy::Delete => {
-                    self.c
-                        .delete_image(target, &target_name, false)
-                        .await
-                        .map_err(err)?;
-                    tracing::info!(image = name, source, target = %target, "deleted replica (delete_policy = delete)");
+            let mut records = vec![img.clone()];
+            if let (true, Some(t)) = (self.s.digest_refs, &img.target) {
+                // The digest record goes with the last tag of its repository.
+                let same_digest = self
+                    .c
+                    .list_images(source, vec![format!("target.digest=={}", t.digest)])
+                    .await
+                    .map_err(err)?;
+                let shared = same_digest.iter().any(|i| {
+                    Reference::parse(&i.name).is_ok_and(|r| r.repository() == parsed.repository())
+                });
+                let dref = parsed.with_digest(&t.digest);
+                if !shared {
+                    records.extend(self.c.get_image(target, &dref).await.map_err(err)?);
                 }
-                DeletePolicy::Unpin => {
-                    if img.labels.contains_key(PINNED_LABEL)
-                        && !img.labels.contains_key(IMPORT_LABEL)
-                    {
-                        let mut labels = HashMap::new();
-                        labels.insert(PINNED_LABEL.to_string(), String::new());
-                        let rec = Image {
-                            name: target_name.clone(),
-                            labels,
-                            ..Default::default()
-                        };
-                        self.c
-                            .update_image(target, rec, vec![format!("labels.{PINNED_LABEL}")])
-                            .await
-                            .map_err(err)?;
-                        tracing::info!(image = name, source, target = %target, "unpinned replica (delete_policy = unpin)");
-                    }
+            }
+            for rec in records {
+                self.apply_delete_policy(source, target, rec)
+                    .await
+                    .map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unpins, deletes or keeps one replica record, never one we did not write.
+    async fn apply_delete_policy(
+        &self,
+        source: &str,
+        target: &str,
+        img: Image,
+    ) -> Result<(), ctrd::Error> {
+        if img.labels.get(SOURCE_LABEL).map(String::as_str) != Some(source) {
+            return Ok(()); // not ours: never touched
+        }
+        match self.s.delete_policy {
+            DeletePolicy::Keep => {}
+            DeletePolicy::Delete => {
+                self.c.delete_image(target, &img.name, false).await?;
+                tracing::info!(image = %img.name, source, target, "deleted replica (delete_policy = delete)");
+            }
+            DeletePolicy::Unpin => {
+                if img.labels.contains_key(PINNED_LABEL) && !img.labels.contains_key(IMPORT_LABEL) {
+                    let mut labels = HashMap::new();
+                    labels.insert(PINNED_LABEL.to_string(), String::new());
+                    let rec = Image {
+                        name: img.name.clone(),
+                        labels,
+                        ..Default::default()
+                    };
+                    self.c
+                        .update_image(target, rec, vec![format!("labels.{PINNED_LABEL}")])
+                        .await?;
+                    tracing::info!(image = %img.name, source, target, "unpinned replica (delete_policy = unpin)");
                 }
             }
         }

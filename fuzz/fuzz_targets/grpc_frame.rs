@@ -1,0 +1,20 @@
+//! Frame parsing used by interception: whatever the bytes, `unary_message`
+//! returns an error or a message that re-frames to the same bytes, and the
+//! replication policy's decoders never panic on it.
+#![no_main]
+
+use bytes::Bytes;
+use imgbridge::proxy::grpc;
+use libfuzzer_sys::fuzz_target;
+use prost::Message;
+
+fuzz_target!(|data: &[u8]| {
+    let body = Bytes::copy_from_slice(data);
+    if let Ok(msg) = grpc::unary_message(&body) {
+        assert_eq!(grpc::frame(&msg), body, "a parsed frame must re-frame identically");
+        let _ = containerd_client::services::v1::CreateImageResponse::decode(msg.clone());
+        let _ = containerd_client::services::v1::UpdateImageResponse::decode(msg.clone());
+        let _ = containerd_client::services::v1::TransferRequest::decode(msg);
+    }
+    let _ = imgbridge::replicate::tree::parse(data);
+});
