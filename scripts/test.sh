@@ -59,3 +59,12 @@ cargo clippy --all-targets -- -D warnings
 
 echo "==> cargo test --all-targets -- --test-threads=2"
 cargo test --all-targets -- --test-threads=2
+
+# Builds the .deb, installs it with dpkg and verifies the units (CI machines
+# are throwaway). IMGBRIDGE_SKIP_PACKAGING=1 skips it on a developer machine.
+if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" == "1" ]]; then
+    echo "==> packaging test skipped (IMGBRIDGE_SKIP_PACKAGING=1)"
+else
+    echo "==> scripts/test-packaging.sh"
+    scripts/test-packaging.sh
+fi
