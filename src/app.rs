@@ -40,6 +40,14 @@ pub async fn serve(
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
     }
+    if !config.import.dirs.is_empty() {
+        let c = crate::containerd::Containerd::new(&config.upstream);
+        tasks.push(tokio::spawn(crate::import::run(
+            c,
+            config.import.clone(),
+            stop.clone(),
+        )));
+    }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
     let result = proxy::serve(listener, pc, Arc::new(NoIntercept), shutdown).await;

@@ -7,7 +7,9 @@
 pub mod app;
 pub mod config;
 pub mod containerd;
+pub mod import;
 pub mod proxy;
+pub mod reference;
 
 pub use app::serve;
 pub use config::Config;

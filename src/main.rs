@@ -19,6 +19,27 @@ struct Cli {
 enum Command {
     /// Proxy containerd's socket, replicating source-namespace images.
     Serve(ServeArgs),
+    /// Import image archives and pull lists once, then exit (1 on failures).
+    Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    /// TOML configuration file (for import.max_decompressed_bytes, import.pin).
+    #[arg(long, env = "IMGBRIDGE_CONFIG")]
+    config: Option<PathBuf>,
+    /// containerd's gRPC socket.
+    #[arg(long)]
+    upstream: Option<PathBuf>,
+    /// Namespace to import archives into (pull lists always go to k8s.io).
+    #[arg(long, default_value = "k8s.io")]
+    namespace: String,
+    /// Do not pin the imported images.
+    #[arg(long)]
+    no_pin: bool,
+    /// Archives (.tar, .tar.gz, .tar.zst; docker-archive or OCI) and .txt pull lists.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
 }
 
 #[derive(Args)]
@@ -53,6 +74,10 @@ struct ServeArgs {
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
+    /// Watch this directory for image archives and pull lists, importing
+    /// into k8s.io (repeatable; adds to config `[[import.dirs]]`).
+    #[arg(long = "watch-dir")]
+    watch_dir: Vec<PathBuf>,
 }
 
 impl Common {
@@ -75,7 +100,42 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(a) => serve(a),
+        Command::Import(a) => import(a),
     }
+}
+
+fn import(a: ImportArgs) -> anyhow::Result<()> {
+    let mut c = Config::load(a.config.as_deref())?;
+    if let Some(u) = a.upstream {
+        c.upstream = u;
+    }
+    if !imgbridge::config::valid_namespace(&a.namespace) {
+        anyhow::bail!("--namespace {:?} is not a valid containerd namespace", a.namespace);
+    }
+    init_logging(&c);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let report = rt.block_on(imgbridge::import::import_files_with(
+        imgbridge::containerd::Containerd::new(&c.upstream),
+        &a.namespace,
+        &a.files,
+        c.import.pin && !a.no_pin,
+        imgbridge::import::archive::Limits {
+            max_decompressed: c.import.max_decompressed_bytes,
+            ..Default::default()
+        },
+    ));
+    let failures = report.failures();
+    if failures.is_empty() {
+        return Ok(());
+    }
+    eprintln!("{} failure(s):", failures.len());
+    for f in &failures {
+        eprintln!("  {f}");
+    }
+    std::process::exit(1);
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -88,6 +148,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(g) = a.socket_group {
         c.socket_group = g;
+    }
+    for path in a.watch_dir {
+        c.import.dirs.push(imgbridge::config::ImportDir {
+            path,
+            namespace: "k8s.io".into(),
+        });
     }
     c.validate()?;
     if a.print_config {
