@@ -110,23 +110,29 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
         c.upstream = u;
     }
     if !imgbridge::config::valid_namespace(&a.namespace) {
-        anyhow::bail!("--namespace {:?} is not a valid containerd namespace", a.namespace);
+        anyhow::bail!(
+            "--namespace {:?} is not a valid containerd namespace",
+            a.namespace
+        );
     }
     init_logging(&c);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let report = rt.block_on(imgbridge::import::import_files_with(
-        imgbridge::containerd::Containerd::new(&c.upstream),
-        &a.namespace,
-        &a.files,
-        c.import.pin && !a.no_pin,
-        imgbridge::import::archive::Limits {
-            max_decompressed: c.import.max_decompressed_bytes,
-            ..Default::default()
-        },
-    ));
+    let report = rt.block_on(async {
+        imgbridge::import::import_files_with(
+            imgbridge::containerd::Containerd::new(&c.upstream),
+            &a.namespace,
+            &a.files,
+            c.import.pin && !a.no_pin,
+            imgbridge::import::archive::Limits {
+                max_decompressed: c.import.max_decompressed_bytes,
+                ..Default::default()
+            },
+        )
+        .await
+    });
     let failures = report.failures();
     if failures.is_empty() {
         return Ok(());

@@ -217,6 +217,7 @@ pub struct Ingest {
 }
 
 /// What [`Containerd::open_ingest`] found.
+#[allow(clippy::large_enum_variant)] // short-lived, never stored in bulk
 pub enum IngestStart {
     /// The expected digest is already in the namespace (and now in the lease).
     Present,
@@ -321,6 +322,7 @@ impl Ingest {
     }
 }
 
+#[allow(clippy::large_enum_variant)] // short-lived, never stored in bulk
 enum Opened {
     Present,
     Writer(Writer),

@@ -144,7 +144,11 @@ pub struct DiscardSink {
 }
 
 impl BlobSink for DiscardSink {
-    fn start(&mut self, _: Option<&str>, size: u64) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
+    fn start(
+        &mut self,
+        _: Option<&str>,
+        size: u64,
+    ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
         self.blobs += 1;
         self.bytes += size;
         Ok(Some(Box::new(Discard)))
@@ -522,7 +526,12 @@ impl Walker<'_> {
         });
     }
 
-    fn read_meta(&mut self, r: &mut impl Read, path: &str, size: u64) -> Result<Vec<u8>, ArchiveError> {
+    fn read_meta(
+        &mut self,
+        r: &mut impl Read,
+        path: &str,
+        size: u64,
+    ) -> Result<Vec<u8>, ArchiveError> {
         if size > self.limits.metadata as u64 {
             return Err(ArchiveError::Oversized {
                 what: path.into(),
@@ -663,9 +672,8 @@ impl Walker<'_> {
             self.resolve_oci(&index, &mut r);
             Format::Oci
         } else {
-            let m: Vec<DockerEntry> =
-                serde_json::from_slice(&self.meta["manifest.json"])
-                    .map_err(|e| ArchiveError::Json("manifest.json".into(), e))?;
+            let m: Vec<DockerEntry> = serde_json::from_slice(&self.meta["manifest.json"])
+                .map_err(|e| ArchiveError::Json("manifest.json".into(), e))?;
             self.resolve_docker(&m, &mut r);
             Format::Docker
         };
@@ -687,7 +695,10 @@ impl Walker<'_> {
             );
             let mut blobs = Vec::new();
             let Some(cfg) = self.lookup(&e.config) else {
-                r.failures.push(format!("{what}: config {:?} is not in the archive", e.config));
+                r.failures.push(format!(
+                    "{what}: config {:?} is not in the archive",
+                    e.config
+                ));
                 continue;
             };
             let cfg_blob = &self.blobs[cfg];
@@ -702,8 +713,9 @@ impl Walker<'_> {
             let mut layers = Vec::new();
             for (li, l) in e.layers.iter().enumerate() {
                 let Some(d) = self.lookup(l) else {
-                    r.failures
-                        .push(format!("{what}: names layer {l:?}, which is not in the archive"));
+                    r.failures.push(format!(
+                        "{what}: names layer {l:?}, which is not in the archive"
+                    ));
                     continue 'images;
                 };
                 let b = &self.blobs[d];
@@ -782,7 +794,9 @@ impl Walker<'_> {
                     target,
                     blobs,
                 }),
-                Err(e) => r.failures.push(format!("{} ({digest}): {}", names.join(", "), e.msg())),
+                Err(e) => r
+                    .failures
+                    .push(format!("{} ({digest}): {}", names.join(", "), e.msg())),
             }
         }
     }
@@ -796,7 +810,9 @@ impl Walker<'_> {
         warnings: &mut Vec<String>,
     ) -> Result<(Descriptor, Vec<SmallBlob>), WalkError> {
         if depth > MAX_DEPTH {
-            return Err(WalkError::Bad(format!("indexes nested deeper than {MAX_DEPTH}")));
+            return Err(WalkError::Bad(format!(
+                "indexes nested deeper than {MAX_DEPTH}"
+            )));
         }
         let blob = self.present(d)?;
         let Some(data) = &blob.data else {
@@ -847,15 +863,30 @@ impl Walker<'_> {
                 return Err(WalkError::Bad(if problems.is_empty() {
                     format!("index {} has no manifest present in the archive", d.digest)
                 } else {
-                    format!("index {} has no complete manifest: {}", d.digest, problems.join("; "))
+                    format!(
+                        "index {} has no complete manifest: {}",
+                        d.digest,
+                        problems.join("; ")
+                    )
                 }));
             }
-        } else if m.config.is_some() || media_type == MT_OCI_MANIFEST || media_type == MT_DOCKER_MANIFEST {
+        } else if m.config.is_some()
+            || media_type == MT_OCI_MANIFEST
+            || media_type == MT_DOCKER_MANIFEST
+        {
             let Some(cfg) = &m.config else {
-                return Err(WalkError::Bad(format!("manifest {} has no config", d.digest)));
+                return Err(WalkError::Bad(format!(
+                    "manifest {} has no config",
+                    d.digest
+                )));
             };
             let cb = self.present(cfg).map_err(|e| {
-                WalkError::Bad(format!("manifest {} names config {}: {}", d.digest, cfg.digest, e.msg()))
+                WalkError::Bad(format!(
+                    "manifest {} names config {}: {}",
+                    d.digest,
+                    cfg.digest,
+                    e.msg()
+                ))
             })?;
             push_retained(&mut out, &cfg.descriptor(), cb, BTreeMap::new());
             labels.insert(format!("{GC_REF}.config"), cfg.digest.clone());
@@ -890,7 +921,10 @@ impl Walker<'_> {
             return Err(WalkError::Bad(format!("invalid digest {:?}", d.digest)));
         }
         let Some(b) = self.blobs.get(&d.digest) else {
-            return Err(WalkError::Missing(format!("{} is not in the archive", d.digest)));
+            return Err(WalkError::Missing(format!(
+                "{} is not in the archive",
+                d.digest
+            )));
         };
         if d.size != b.size as i64 {
             return Err(WalkError::Bad(format!(
@@ -924,7 +958,12 @@ impl WalkError {
 }
 
 /// Blobs kept in memory (small JSON) were not streamed; write them from the plan.
-fn push_retained(out: &mut Vec<SmallBlob>, desc: &Descriptor, b: &Blob, labels: BTreeMap<String, String>) {
+fn push_retained(
+    out: &mut Vec<SmallBlob>,
+    desc: &Descriptor,
+    b: &Blob,
+    labels: BTreeMap<String, String>,
+) {
     if let Some(data) = &b.data {
         out.push(SmallBlob {
             desc: desc.clone(),
@@ -1143,7 +1182,8 @@ mod tests {
         h.set_size(data.len() as u64);
         h.set_mode(0o644);
         h.set_cksum();
-        b.append_data(&mut h, format!("file{seed}"), &data[..]).unwrap();
+        b.append_data(&mut h, format!("file{seed}"), &data[..])
+            .unwrap();
         b.into_inner().unwrap()
     }
 
@@ -1161,7 +1201,8 @@ mod tests {
         sha256_hex(b).trim_start_matches("sha256:").to_string()
     }
 
-    const CONFIG: &[u8] = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+    const CONFIG: &[u8] =
+        br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
 
     /// A skopeo-style docker-archive: layers first, v1 symlink, manifest.json last.
     fn docker_archive(tags: &str, with_layer: bool) -> Vec<u8> {
@@ -1208,7 +1249,10 @@ mod tests {
             assert_eq!(plan.compression, comp);
             assert_eq!(plan.format, Format::Docker);
             assert!(plan.failures.is_empty(), "{:?}", plan.failures);
-            assert_eq!(plan.raw_sha256.as_deref(), Some(sha256_hex(&bytes).as_str()));
+            assert_eq!(
+                plan.raw_sha256.as_deref(),
+                Some(sha256_hex(&bytes).as_str())
+            );
             assert_eq!(plan.images.len(), 1);
             let img = &plan.images[0];
             assert_eq!(img.names, ["docker.io/library/app:dev", "reg:5000/x/y:1"]);
@@ -1226,7 +1270,10 @@ mod tests {
             assert_eq!(v["layers"][1]["mediaType"], MT_DOCKER_LAYER_GZIP);
             assert_eq!(m.labels[&format!("{GC_REF}.config")], sha256_hex(CONFIG));
             assert_eq!(m.labels[&format!("{GC_REF}.l.0")], sha256_hex(&layer(1)));
-            assert_eq!(m.labels[&format!("{GC_REF}.l.1")], sha256_hex(&gz(&layer(2))));
+            assert_eq!(
+                m.labels[&format!("{GC_REF}.l.1")],
+                sha256_hex(&gz(&layer(2)))
+            );
             // The config was small JSON: kept and written from the plan.
             assert_eq!(img.blobs[0].desc.digest, sha256_hex(CONFIG));
         }
@@ -1238,7 +1285,11 @@ mod tests {
         let plan = plan.unwrap();
         assert!(plan.images.is_empty());
         assert_eq!(plan.failures.len(), 1);
-        assert!(plan.failures[0].contains("abc/layer.tar"), "{:?}", plan.failures);
+        assert!(
+            plan.failures[0].contains("abc/layer.tar"),
+            "{:?}",
+            plan.failures
+        );
     }
 
     #[test]
@@ -1246,7 +1297,11 @@ mod tests {
         let (plan, _) = read(&docker_archive("null", true), Limits::default());
         let plan = plan.unwrap();
         assert!(plan.images.is_empty());
-        assert!(plan.failures[0].contains("no named image"), "{:?}", plan.failures);
+        assert!(
+            plan.failures[0].contains("no named image"),
+            "{:?}",
+            plan.failures
+        );
     }
 
     fn desc(mt: &str, b: &[u8], extra: &str) -> String {
@@ -1281,13 +1336,25 @@ mod tests {
         let arm = manifest(&[&gz(&layer(4))]);
         let idx = format!(
             r#"{{"schemaVersion":2,"mediaType":"{MT_OCI_INDEX}","manifests":[{},{}]}}"#,
-            desc(MT_OCI_MANIFEST, &arm, r#","platform":{"os":"linux","architecture":"arm64"}"#),
-            desc(MT_OCI_MANIFEST, &amd, r#","platform":{"os":"linux","architecture":"amd64"}"#),
+            desc(
+                MT_OCI_MANIFEST,
+                &arm,
+                r#","platform":{"os":"linux","architecture":"arm64"}"#
+            ),
+            desc(
+                MT_OCI_MANIFEST,
+                &amd,
+                r#","platform":{"os":"linux","architecture":"amd64"}"#
+            ),
         )
         .into_bytes();
         let top = format!(
             r#"{{"schemaVersion":2,"manifests":[{}]}}"#,
-            desc(MT_OCI_INDEX, &idx, &format!(r#","annotations":{{{name_ann}}}"#))
+            desc(
+                MT_OCI_INDEX,
+                &idx,
+                &format!(r#","annotations":{{{name_ann}}}"#)
+            )
         );
         let mut t = T::new();
         t = blob(t, &l);
@@ -1316,7 +1383,11 @@ mod tests {
         // Only the present platform (index position 1) is referenced.
         assert_eq!(top.labels.len(), 1);
         assert_eq!(top.labels[&format!("{GC_REF}.m.1")], sha256_hex(&amd));
-        let m = img.blobs.iter().find(|b| b.desc.digest == sha256_hex(&amd)).unwrap();
+        let m = img
+            .blobs
+            .iter()
+            .find(|b| b.desc.digest == sha256_hex(&amd))
+            .unwrap();
         assert_eq!(m.labels[&format!("{GC_REF}.config")], sha256_hex(CONFIG));
         assert!(m.labels.contains_key(&format!("{GC_REF}.l.0")));
         // Children come before parents.
@@ -1343,14 +1414,22 @@ mod tests {
         let m = manifest(&[&l]);
         let top = format!(
             r#"{{"manifests":[{}]}}"#,
-            desc(MT_OCI_MANIFEST, &m, r#","annotations":{"io.containerd.image.name":"x:1"}"#)
+            desc(
+                MT_OCI_MANIFEST,
+                &m,
+                r#","annotations":{"io.containerd.image.name":"x:1"}"#
+            )
         );
         let a = blob(blob(T::new(), CONFIG), &m)
             .file("index.json", top.as_bytes())
             .done();
         let plan = read(&a, Limits::default()).0.unwrap();
         assert!(plan.images.is_empty());
-        assert!(plan.failures[0].contains("names layer"), "{:?}", plan.failures);
+        assert!(
+            plan.failures[0].contains("names layer"),
+            "{:?}",
+            plan.failures
+        );
     }
 
     #[test]
@@ -1369,15 +1448,27 @@ mod tests {
         let a = docker_archive(r#"["app:dev"]"#, true);
         let half = |b: &[u8]| b[..b.len() / 2].to_vec();
         let e = read(&half(&gz(&a)), Limits::default()).0.unwrap_err();
-        assert!(matches!(e, ArchiveError::Decompress(Compression::Gzip, _)), "{e}");
+        assert!(
+            matches!(e, ArchiveError::Decompress(Compression::Gzip, _)),
+            "{e}"
+        );
         let e = read(&half(&zst(&a)), Limits::default()).0.unwrap_err();
-        assert!(matches!(e, ArchiveError::Decompress(Compression::Zstd, _)), "{e}");
+        assert!(
+            matches!(e, ArchiveError::Decompress(Compression::Zstd, _)),
+            "{e}"
+        );
         // Truncated plain tar (mid-entry).
         let e = read(&a[..a.len() - 3000], Limits::default()).0.unwrap_err();
-        assert!(matches!(e, ArchiveError::Truncated(_) | ArchiveError::Tar(_)), "{e}");
+        assert!(
+            matches!(e, ArchiveError::Truncated(_) | ArchiveError::Tar(_)),
+            "{e}"
+        );
         // Garbage.
         let e = read(&[7u8; 3000], Limits::default()).0.unwrap_err();
-        assert!(matches!(e, ArchiveError::Tar(_) | ArchiveError::NotImage), "{e}");
+        assert!(
+            matches!(e, ArchiveError::Tar(_) | ArchiveError::NotImage),
+            "{e}"
+        );
         // Corrupt gzip body (flipped bytes in the middle).
         let mut g = gz(&a);
         let mid = g.len() / 2;
@@ -1385,7 +1476,10 @@ mod tests {
             *b ^= 0x55;
         }
         let e = read(&g, Limits::default()).0.unwrap_err();
-        assert!(matches!(e, ArchiveError::Decompress(..) | ArchiveError::Tar(_)), "{e}");
+        assert!(
+            matches!(e, ArchiveError::Decompress(..) | ArchiveError::Tar(_)),
+            "{e}"
+        );
         // Unsafe paths.
         for name in ["../evil", "/abs/path", "a/../../b"] {
             let t = T::new().file(name, b"x").done();
@@ -1393,7 +1487,10 @@ mod tests {
             assert!(matches!(e, ArchiveError::UnsafePath(_)), "{name}: {e}");
         }
         let t = T::new().symlink("x", "../../etc/passwd").done();
-        assert!(matches!(read(&t, Limits::default()).0, Err(ArchiveError::UnsafeLink(..))));
+        assert!(matches!(
+            read(&t, Limits::default()).0,
+            Err(ArchiveError::UnsafeLink(..))
+        ));
         // Decompression bomb: a small cap.
         let bomb = gz(&vec![0u8; 8 << 20]);
         let limits = Limits {
@@ -1404,7 +1501,10 @@ mod tests {
         assert!(matches!(e, ArchiveError::TooLarge(_)), "{e}");
         // Oversized manifest.json.
         let big = T::new().file("manifest.json", &vec![b' '; 5 << 20]).done();
-        assert!(matches!(read(&big, Limits::default()).0, Err(ArchiveError::Oversized { .. })));
+        assert!(matches!(
+            read(&big, Limits::default()).0,
+            Err(ArchiveError::Oversized { .. })
+        ));
         // Unsupported compression named as such.
         assert!(matches!(
             read(b"BZh91AY&SY", Limits::default()).0,
@@ -1412,19 +1512,28 @@ mod tests {
         ));
         // Not an image.
         let t = T::new().file("hello.txt", b"hi").done();
-        assert!(matches!(read(&t, Limits::default()).0, Err(ArchiveError::NotImage)));
+        assert!(matches!(
+            read(&t, Limits::default()).0,
+            Err(ArchiveError::NotImage)
+        ));
     }
 
     #[test]
     fn metadata_budget_is_enforced() {
         let mut t = T::new();
         for i in 0..5 {
-            t = t.file(&format!("m{i}.json"), format!("{{\"p\":\"{}\"}}", "x".repeat(300_000 + i)).as_bytes());
+            t = t.file(
+                &format!("m{i}.json"),
+                format!("{{\"p\":\"{}\"}}", "x".repeat(300_000 + i)).as_bytes(),
+            );
         }
         let limits = Limits {
             metadata_budget: 1 << 20,
             ..Limits::default()
         };
-        assert!(matches!(read(&t.done(), limits).0, Err(ArchiveError::MetadataBudget(_))));
+        assert!(matches!(
+            read(&t.done(), limits).0,
+            Err(ArchiveError::MetadataBudget(_))
+        ));
     }
 }

@@ -120,7 +120,11 @@ impl Report {
     pub fn failures(&self) -> Vec<String> {
         self.files
             .iter()
-            .flat_map(|f| f.failures.iter().map(move |e| format!("{}: {e}", f.path.display())))
+            .flat_map(|f| {
+                f.failures
+                    .iter()
+                    .map(move |e| format!("{}: {e}", f.path.display()))
+            })
             .collect()
     }
 
@@ -147,7 +151,12 @@ pub fn supported(path: &Path) -> Option<FileKind> {
 
 /// One-shot import for `imgbridge import`: archives (any name; compression
 /// from the bytes) and `.txt` pull lists, each file independent.
-pub async fn import_files(containerd: Containerd, ns: &str, files: &[PathBuf], pin: bool) -> Report {
+pub async fn import_files(
+    containerd: Containerd,
+    ns: &str,
+    files: &[PathBuf],
+    pin: bool,
+) -> Report {
     import_files_with(containerd, ns, files, pin, Limits::default()).await
 }
 
@@ -400,13 +409,20 @@ impl Importer {
             let mut missing = Vec::new();
             for (name, digest) in &f.images {
                 match self.c.get_image(&f.namespace, name).await {
-                    Ok(Some(img)) if img.target.as_ref().is_some_and(|t| &t.digest == digest || digest.is_empty()) => {}
+                    Ok(Some(img))
+                        if img
+                            .target
+                            .as_ref()
+                            .is_some_and(|t| &t.digest == digest || digest.is_empty()) => {}
                     Ok(_) => missing.push(name.clone()),
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot check recorded images; will import again");
                         missing.push(name.clone());
                     }
                 }
+            }
+            if f.kind == FileKind::Archive && missing.is_empty() {
+                inc(&self.stats.skipped, 1);
             }
             if f.kind == FileKind::List || !missing.is_empty() {
                 if !missing.is_empty() {
@@ -417,7 +433,14 @@ impl Importer {
         }
     }
 
-    fn pend(&mut self, root: usize, path: PathBuf, stamp: Option<Stamp>, force: bool, delay: Duration) {
+    fn pend(
+        &mut self,
+        root: usize,
+        path: PathBuf,
+        stamp: Option<Stamp>,
+        force: bool,
+        delay: Duration,
+    ) {
         let due = Instant::now() + delay;
         match self.pending.get_mut(&path) {
             Some(p) => {
@@ -485,12 +508,19 @@ impl Importer {
         let mut seen = HashSet::new();
         let mut stack = vec![(dir.to_path_buf(), 0usize)];
         while let Some((d, depth)) = stack.pop() {
-            let Ok(rd) = std::fs::read_dir(&d) else { continue };
+            let Ok(rd) = std::fs::read_dir(&d) else {
+                continue;
+            };
             for e in rd.flatten() {
                 let p = e.path();
-                let Ok(m) = std::fs::metadata(&p) else { continue };
+                let Ok(m) = std::fs::metadata(&p) else {
+                    continue;
+                };
                 if m.is_dir() {
-                    let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+                    let hidden = p
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with('.'));
                     if depth < MAX_DIR_DEPTH && !hidden {
                         stack.push((p, depth + 1));
                     }
@@ -529,7 +559,9 @@ impl Importer {
             if shutdown.is_cancelled() {
                 return;
             }
-            let Some(p) = self.pending.remove(&path) else { continue };
+            let Some(p) = self.pending.remove(&path) else {
+                continue;
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = self.handle(path, p) => {}
@@ -584,7 +616,10 @@ impl Importer {
                     inc(&self.stats.skipped, 1);
                     return;
                 }
-                if prev.size == stamp.size && prev.sha256.is_some() && self.same_bytes(&path, prev).await {
+                if prev.size == stamp.size
+                    && prev.sha256.is_some()
+                    && self.same_bytes(&path, prev).await
+                {
                     tracing::info!(file = %path.display(), "touched but unchanged; not importing again");
                     if let Some(f) = self.state.files.get_mut(&path) {
                         f.mtime_ns = stamp.mtime_ns;
@@ -629,7 +664,12 @@ impl Importer {
                     "imported"
                 );
                 if let Some(prev) = &prev {
-                    let gone: Vec<String> = prev.images.keys().filter(|n| !images.contains_key(*n)).cloned().collect();
+                    let gone: Vec<String> = prev
+                        .images
+                        .keys()
+                        .filter(|n| !images.contains_key(*n))
+                        .cloned()
+                        .collect();
                     self.unpin_names(&path, prev, &gone).await;
                 }
                 let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
@@ -654,7 +694,9 @@ impl Importer {
                 }
             }
             Err(e) if e.is_transient() => {
-                let delay = RETRY_BASE.saturating_mul(1 << p.attempt.min(6)).min(RETRY_MAX);
+                let delay = RETRY_BASE
+                    .saturating_mul(1 << p.attempt.min(6))
+                    .min(RETRY_MAX);
                 tracing::warn!(file = %path.display(), error = %e, retry_in = ?delay, "import failed; will retry");
                 inc(&self.stats.failures, 1);
                 self.pending.insert(
@@ -732,14 +774,20 @@ impl Importer {
         let wanted: HashSet<&String> = list.refs.iter().collect();
         let mut images = prev.as_ref().map(|f| f.images.clone()).unwrap_or_default();
         if let Some(prev) = &prev {
-            let gone: Vec<String> = prev.images.keys().filter(|n| !wanted.contains(n)).cloned().collect();
+            let gone: Vec<String> = prev
+                .images
+                .keys()
+                .filter(|n| !wanted.contains(n))
+                .cloned()
+                .collect();
             if !gone.is_empty() {
                 tracing::info!(file = %path.display(), images = ?gone, "left the pull list");
             }
             self.unpin_names(&path, prev, &gone).await;
             images.retain(|n, _| wanted.contains(n));
         }
-        let error = (!list.invalid.is_empty()).then(|| format!("{} invalid lines", list.invalid.len()));
+        let error =
+            (!list.invalid.is_empty()).then(|| format!("{} invalid lines", list.invalid.len()));
         self.state.files.insert(
             path.clone(),
             FileState {
@@ -799,8 +847,12 @@ impl Importer {
                         Ok(Some(img)) => {
                             target = img.target.map(|t| t.digest).unwrap_or(target);
                         }
-                        Ok(None) => tracing::warn!(file = %path.display(), image = %reference, "CRI resolves the image but no record has that name; not pinned"),
-                        Err(e) => tracing::warn!(file = %path.display(), image = %reference, error = %e, "pinning failed"),
+                        Ok(None) => {
+                            tracing::warn!(file = %path.display(), image = %reference, "CRI resolves the image but no record has that name; not pinned")
+                        }
+                        Err(e) => {
+                            tracing::warn!(file = %path.display(), image = %reference, error = %e, "pinning failed")
+                        }
                     }
                 }
                 tracing::info!(file = %path.display(), image = %reference, how = ?got, "pull list image ready");
@@ -833,13 +885,17 @@ impl Importer {
             if let Some(t) = self.lists.remove(&k) {
                 t.cancel.cancel();
             }
-            let Some(f) = self.state.files.remove(&k) else { continue };
+            let Some(f) = self.state.files.remove(&k) else {
+                continue;
+            };
             self.state_dirty = true;
             let names: Vec<String> = f.images.keys().cloned().collect();
             if !self.unpin_names(&k, &f, &names).await {
                 // containerd unreachable: keep the record and try again.
                 self.state.files.insert(k.clone(), f);
-                let delay = RETRY_BASE.saturating_mul(1 << p.attempt.min(6)).min(RETRY_MAX);
+                let delay = RETRY_BASE
+                    .saturating_mul(1 << p.attempt.min(6))
+                    .min(RETRY_MAX);
                 self.pending.insert(
                     k,
                     Pending {
@@ -888,7 +944,9 @@ impl Importer {
     }
 }
 
-async fn recv(rx: &mut Option<mpsc::Receiver<notify::Result<notify::Event>>>) -> notify::Result<notify::Event> {
+async fn recv(
+    rx: &mut Option<mpsc::Receiver<notify::Result<notify::Event>>>,
+) -> notify::Result<notify::Event> {
     match rx {
         Some(r) => match r.recv().await {
             Some(ev) => ev,

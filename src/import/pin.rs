@@ -96,10 +96,9 @@ pub async fn record(
                 }
             }
             Some(existing) => {
-                let same = existing
-                    .target
-                    .as_ref()
-                    .is_some_and(|t| t.digest == target.digest && t.media_type == target.media_type);
+                let same = existing.target.as_ref().is_some_and(|t| {
+                    t.digest == target.digest && t.media_type == target.media_type
+                });
                 let mut img = Image {
                     name: name.into(),
                     target: Some(target.clone()),
@@ -139,7 +138,8 @@ fn pin_labels(img: &Image, source: &str) -> Option<HashMap<String, String>> {
         return None;
     }
     let mut set = sources(img).unwrap_or_default();
-    let had = set.contains(source) && img.labels.get(PINNED).map(String::as_str) == Some(PINNED_VALUE);
+    let had =
+        set.contains(source) && img.labels.get(PINNED).map(String::as_str) == Some(PINNED_VALUE);
     if had {
         return None;
     }
@@ -202,7 +202,10 @@ pub async fn unpin(
     set.extend(live.iter().cloned());
     let (labels, result) = if set.is_empty() {
         (
-            HashMap::from([(PINNED.to_string(), String::new()), (IMPORT.to_string(), String::new())]),
+            HashMap::from([
+                (PINNED.to_string(), String::new()),
+                (IMPORT.to_string(), String::new()),
+            ]),
             Unpinned::Unpinned,
         )
     } else {
@@ -234,7 +237,10 @@ mod tests {
     fn img(labels: &[(&str, &str)]) -> Image {
         Image {
             name: "x".into(),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             ..Default::default()
         }
     }

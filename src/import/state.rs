@@ -70,9 +70,9 @@ impl Stamp {
         let mtime_ns = m
             .modified()
             .ok()
-            .and_then(|t| match t.duration_since(UNIX_EPOCH) {
-                Ok(d) => Some(d.as_nanos() as i128),
-                Err(e) => Some(-(e.duration().as_nanos() as i128)),
+            .map(|t| match t.duration_since(UNIX_EPOCH) {
+                Ok(d) => d.as_nanos() as i128,
+                Err(e) => -(e.duration().as_nanos() as i128),
             })
             .unwrap_or(0);
         Stamp {
@@ -149,7 +149,9 @@ impl State {
     pub fn providers(&self, ns: &str, name: &str, except: &Path) -> BTreeSet<String> {
         self.files
             .iter()
-            .filter(|(p, f)| p.as_path() != except && f.namespace == ns && f.images.contains_key(name))
+            .filter(|(p, f)| {
+                p.as_path() != except && f.namespace == ns && f.images.contains_key(name)
+            })
             .map(|(_, f)| f.hash.clone())
             .collect()
     }

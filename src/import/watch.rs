@@ -153,7 +153,14 @@ impl DirWatcher {
 
     /// Maps one notify event to signals for the roots it concerns.
     pub fn classify(&self, ev: &Event) -> Vec<Signal> {
-        classify(&self.roots.iter().map(|r| r.dir.as_path()).collect::<Vec<_>>(), ev)
+        classify(
+            &self
+                .roots
+                .iter()
+                .map(|r| r.dir.as_path())
+                .collect::<Vec<_>>(),
+            ev,
+        )
     }
 }
 
@@ -209,7 +216,10 @@ mod tests {
     fn classifies() {
         let roots = [Path::new("/a/images")];
         assert_eq!(
-            classify(&roots, &ev(EventKind::Create(CreateKind::Folder), "/a/images")),
+            classify(
+                &roots,
+                &ev(EventKind::Create(CreateKind::Folder), "/a/images")
+            ),
             vec![Signal::Rearm(0)]
         );
         assert_eq!(
@@ -217,23 +227,35 @@ mod tests {
             vec![Signal::Rearm(0)]
         );
         assert_eq!(
-            classify(&roots, &ev(EventKind::Create(CreateKind::Folder), "/a/images/x")),
+            classify(
+                &roots,
+                &ev(EventKind::Create(CreateKind::Folder), "/a/images/x")
+            ),
             vec![Signal::DirCreated(0, "/a/images/x".into())]
         );
         assert_eq!(
-            classify(&roots, &ev(EventKind::Create(CreateKind::File), "/a/images/x.tar")),
+            classify(
+                &roots,
+                &ev(EventKind::Create(CreateKind::File), "/a/images/x.tar")
+            ),
             vec![Signal::Changed(0, "/a/images/x.tar".into())]
         );
         assert!(classify(&roots, &ev(EventKind::Create(CreateKind::File), "/a/other")).is_empty());
         assert!(classify(
             &roots,
-            &ev(EventKind::Access(AccessKind::Open(AccessMode::Any)), "/a/images")
+            &ev(
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                "/a/images"
+            )
         )
         .is_empty());
         assert_eq!(
             classify(
                 &roots,
-                &ev(EventKind::Access(AccessKind::Close(AccessMode::Write)), "/a/images/x.tar")
+                &ev(
+                    EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                    "/a/images/x.tar"
+                )
             ),
             vec![Signal::Changed(0, "/a/images/x.tar".into())]
         );

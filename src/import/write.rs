@@ -209,7 +209,11 @@ async fn import_leased(
     Ok(out)
 }
 
-fn read_file(path: &Path, opts: &ReadOptions, mut sink: ContainerdSink) -> Result<Plan, ImportError> {
+fn read_file(
+    path: &Path,
+    opts: &ReadOptions,
+    mut sink: ContainerdSink,
+) -> Result<Plan, ImportError> {
     let io = |source| ImportError::Io {
         path: path.into(),
         source,
