@@ -32,6 +32,9 @@ pub const METADATA_BUDGET: usize = 32 << 20;
 const ZSTD_WINDOW_LOG_MAX: u32 = 27;
 /// Nesting depth of indexes we follow before calling the archive hostile.
 const MAX_DEPTH: usize = 8;
+/// Cap on a tar header plus its GNU long-name / PAX extension entries,
+/// which the tar crate holds in memory (real ones are well under 64 KiB).
+const HEADER_LIMIT: u64 = 1 << 20;
 /// Symlink hops followed when resolving a docker-archive path.
 const MAX_LINK_HOPS: usize = 16;
 
@@ -88,6 +91,8 @@ pub enum ArchiveError {
         size: u64,
         limit: usize,
     },
+    #[error("a tar header with its long-name/PAX extensions exceeds {0} bytes")]
+    HeaderTooLarge(u64),
     #[error("more than {0} bytes of JSON metadata in one archive; refusing to hold it")]
     MetadataBudget(usize),
     #[error("{0}: invalid JSON: {1}")]
@@ -324,12 +329,17 @@ struct Stream {
     decompressed: Cell<u64>,
     fault: Cell<Option<Fault>>,
     hash: std::cell::RefCell<Option<Sha256>>,
+    /// Whether the walker (not the tar crate) is reading entry data.
+    in_data: Cell<bool>,
+    /// Bytes the tar crate read for the current header and its extensions.
+    header_bytes: Cell<u64>,
 }
 
 #[derive(Clone, Copy)]
 enum Fault {
     Decompress,
     Cap,
+    Header,
 }
 
 struct RawReader<R> {
@@ -368,6 +378,14 @@ impl<R: Read> Read for Capped<R> {
         if total > self.cap {
             self.st.fault.set(Some(Fault::Cap));
             return Err(io::Error::other("decompressed size cap exceeded"));
+        }
+        if !self.st.in_data.get() {
+            let h = self.st.header_bytes.get() + n as u64;
+            self.st.header_bytes.set(h);
+            if h > HEADER_LIMIT {
+                self.st.fault.set(Some(Fault::Header));
+                return Err(io::Error::other("tar header extensions too large"));
+            }
         }
         Ok(n)
     }
@@ -434,6 +452,7 @@ pub fn read_archive<R: Read>(
     let fault = |e: ArchiveError| -> ArchiveError {
         match st.fault.get() {
             Some(Fault::Cap) => ArchiveError::TooLarge(opts.limits.max_decompressed),
+            Some(Fault::Header) => ArchiveError::HeaderTooLarge(HEADER_LIMIT),
             Some(Fault::Decompress) => match e {
                 ArchiveError::Tar(io) => ArchiveError::Decompress(compression, io),
                 ArchiveError::Truncated(_) => ArchiveError::Decompress(
@@ -487,36 +506,51 @@ const META_FILES: [&str; 4] = ["manifest.json", "index.json", "oci-layout", "rep
 
 impl Walker<'_> {
     fn walk<R: Read>(&mut self, tar: &mut tar::Archive<R>) -> Result<(), ArchiveError> {
-        for entry in tar.entries().map_err(ArchiveError::Tar)? {
+        let mut entries = tar.entries().map_err(ArchiveError::Tar)?;
+        loop {
+            // What the tar crate reads on its own (headers, GNU long names,
+            // PAX records) it keeps in memory: that is capped per entry.
+            self.st.in_data.set(false);
+            self.st.header_bytes.set(0);
+            let Some(entry) = entries.next() else { break };
             let mut entry = entry.map_err(ArchiveError::Tar)?;
-            let raw_path = entry.path_bytes().into_owned();
-            let path = clean_path(&raw_path)?;
-            let Some(path) = path else { continue };
-            let et = entry.header().entry_type();
-            if et.is_symlink() || et.is_hard_link() {
-                let target = entry
-                    .link_name_bytes()
-                    .map(|b| b.into_owned())
-                    .unwrap_or_default();
-                let resolved = resolve_link(&path, &target, et.is_hard_link())?;
-                self.links.insert(path, resolved);
-                continue;
-            }
-            if !(et.is_file() || et == tar::EntryType::Continuous) {
-                continue;
-            }
-            let size = entry.size();
-            if let Some(name) = META_FILES.iter().find(|m| **m == path) {
-                let data = self.read_meta(&mut entry, &path, size)?;
-                self.meta.insert(name, data);
-                continue;
-            }
-            if is_legacy_v1(&path) {
-                continue;
-            }
-            self.blob(&mut entry, path, size)?;
+            self.st.in_data.set(true);
+            self.entry(&mut entry)?;
+            // Drain what we did not read, so the crate never skips data itself.
+            io::copy(&mut entry, &mut io::sink()).map_err(ArchiveError::Tar)?;
         }
+        self.st.in_data.set(true);
         Ok(())
+    }
+
+    fn entry(&mut self, entry: &mut tar::Entry<'_, impl Read>) -> Result<(), ArchiveError> {
+        let raw_path = entry.path_bytes().into_owned();
+        let Some(path) = clean_path(&raw_path)? else {
+            return Ok(());
+        };
+        let et = entry.header().entry_type();
+        if et.is_symlink() || et.is_hard_link() {
+            let target = entry
+                .link_name_bytes()
+                .map(|b| b.into_owned())
+                .unwrap_or_default();
+            let resolved = resolve_link(&path, &target, et.is_hard_link())?;
+            self.links.insert(path, resolved);
+            return Ok(());
+        }
+        if !(et.is_file() || et == tar::EntryType::Continuous) {
+            return Ok(());
+        }
+        let size = entry.size();
+        if let Some(name) = META_FILES.iter().find(|m| **m == path) {
+            let data = self.read_meta(entry, &path, size)?;
+            self.meta.insert(name, data);
+            return Ok(());
+        }
+        if is_legacy_v1(&path) {
+            return Ok(());
+        }
+        self.blob(entry, path, size)
     }
 
     fn report(&mut self) {
@@ -1516,6 +1550,35 @@ mod tests {
             read(&t, Limits::default()).0,
             Err(ArchiveError::NotImage)
         ));
+    }
+
+    #[test]
+    fn huge_long_name_is_refused() {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::GNULongName);
+        h.set_size(2 << 20);
+        h.set_cksum();
+        b.append_data(&mut h, "././@LongLink", &vec![b'a'; 2 << 20][..])
+            .unwrap();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(1);
+        h.set_cksum();
+        b.append_data(&mut h, "x", &b"y"[..]).unwrap();
+        let t = b.into_inner().unwrap();
+        let e = read(&t, Limits::default()).0.unwrap_err();
+        assert!(matches!(e, ArchiveError::HeaderTooLarge(_)), "{e}");
+        // Ordinary long names still work.
+        let long = format!("{}/manifest.json", "d".repeat(300));
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(2);
+        h.set_cksum();
+        b.append_data(&mut h, &long, &b"{}"[..]).unwrap();
+        let e = read(&b.into_inner().unwrap(), Limits::default())
+            .0
+            .unwrap_err();
+        assert!(matches!(e, ArchiveError::NotImage), "{e}");
     }
 
     #[test]

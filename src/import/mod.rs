@@ -19,6 +19,7 @@ pub mod watch;
 pub mod write;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -483,7 +484,14 @@ impl Importer {
                 }
                 Signal::DirCreated(i, p) => self.rescan(i, &p),
                 Signal::Changed(i, p) => {
-                    let stamp = std::fs::metadata(&p).ok().map(|m| Stamp::of(&m));
+                    let meta = std::fs::metadata(&p).ok();
+                    let dir = meta.as_ref().is_some_and(|m| m.is_dir());
+                    // Temp files and other names we never import: ignore,
+                    // unless something we recorded lived there.
+                    if supported(&p).is_none() && !dir && self.state.under(&p).is_empty() {
+                        continue;
+                    }
+                    let stamp = meta.map(|m| Stamp::of(&m));
                     let debounce = self.cfg.debounce;
                     self.pend(i, p, stamp, false, debounce);
                 }
@@ -506,8 +514,14 @@ impl Importer {
     /// get a debounced look.
     fn rescan(&mut self, root: usize, dir: &Path) {
         let mut seen = HashSet::new();
+        let mut visited = HashSet::new();
         let mut stack = vec![(dir.to_path_buf(), 0usize)];
         while let Some((d, depth)) = stack.pop() {
+            // Symlinked directories are followed, but each only once.
+            let id = std::fs::metadata(&d).map(|m| (m.dev(), m.ino()));
+            if id.is_ok_and(|id| !visited.insert(id)) {
+                continue;
+            }
             let Ok(rd) = std::fs::read_dir(&d) else {
                 continue;
             };

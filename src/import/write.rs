@@ -7,6 +7,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -38,6 +40,8 @@ pub struct ContainerdSink {
     c: Containerd,
     ns: String,
     lease: Option<String>,
+    /// Set when the import was dropped (shutdown): the reader thread stops.
+    abandoned: Arc<AtomicBool>,
 }
 
 impl ContainerdSink {
@@ -47,7 +51,24 @@ impl ContainerdSink {
             c,
             ns: ns.into(),
             lease,
+            abandoned: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    fn check(&self) -> Result<(), SinkError> {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(SinkError("import cancelled".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Flags the sink as abandoned when the import future is dropped.
+struct AbandonOnDrop(Arc<AtomicBool>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -57,6 +78,7 @@ impl BlobSink for ContainerdSink {
         expected: Option<&str>,
         size: u64,
     ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
+        self.check()?;
         let start = self.handle.block_on(self.c.open_ingest(
             &self.ns,
             self.lease.as_deref(),
@@ -92,6 +114,7 @@ impl BlobSink for ContainerdSink {
             Ok(())
         });
         Ok(Some(Box::new(ContainerdWrite {
+            abandoned: self.abandoned.clone(),
             handle: self.handle.clone(),
             tx: Some(tx),
             done: Some(done_tx),
@@ -103,6 +126,7 @@ impl BlobSink for ContainerdSink {
 type WriteTask = JoinHandle<Result<(), crate::containerd::Error>>;
 
 struct ContainerdWrite {
+    abandoned: Arc<AtomicBool>,
     handle: Handle,
     tx: Option<mpsc::Sender<Vec<u8>>>,
     done: Option<oneshot::Sender<String>>,
@@ -124,6 +148,9 @@ impl ContainerdWrite {
 
 impl BlobWrite for ContainerdWrite {
     fn write(&mut self, chunk: Vec<u8>) -> Result<(), SinkError> {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(SinkError("import cancelled".into()));
+        }
         let sent = match &self.tx {
             Some(tx) => tx.blocking_send(chunk).is_ok(),
             None => false,
@@ -191,6 +218,7 @@ async fn import_leased(
 ) -> Result<ArchiveOutcome, ImportError> {
     let handle = Handle::current();
     let sink = ContainerdSink::new(handle, c.clone(), ns, Some(lease.to_string()));
+    let _abandon = AbandonOnDrop(sink.abandoned.clone());
     let file: PathBuf = path.into();
     let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
         .await
