@@ -157,7 +157,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     for path in a.watch_dir {
         c.import.dirs.push(imgbridge::config::ImportDir {
-            path,
+            path: std::path::absolute(&path).unwrap_or(path),
             namespace: "k8s.io".into(),
         });
     }

@@ -182,6 +182,9 @@ pub async fn import_files_with(
             duration: Duration::ZERO,
         };
         let is_list = supported(f) == Some(FileKind::List);
+        if is_list && ns != pull::CRI_NAMESPACE {
+            tracing::warn!(file = %f.display(), "pull lists are pulled through CRI, which always uses k8s.io");
+        }
         if is_list {
             list_once(&containerd, f, source.as_deref(), &mut r).await;
         } else {
@@ -404,7 +407,7 @@ impl Importer {
             let Ok(m) = std::fs::metadata(&path) else {
                 continue; // the rescan notices it is gone
             };
-            if Stamp::of(&m) != f.stamp() || f.error.is_some() {
+            if Stamp::of(&m) != f.stamp() {
                 continue; // the rescan notices it changed
             }
             let mut missing = Vec::new();

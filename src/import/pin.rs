@@ -67,8 +67,8 @@ fn pinned_by_other(img: &Image) -> bool {
 }
 
 /// Writes (or moves) the record `name` → `target` in `ns`, keeping every
-/// label already there, and pins it for `source` when given. Returns
-/// whether the target changed.
+/// label already there, and pins it for `source` when given. A moved
+/// target also drops CRI's `managed` mark so CRI re-reads the image.
 pub async fn record(
     c: &Containerd,
     ns: &str,
