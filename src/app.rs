@@ -52,6 +52,22 @@ pub async fn serve(
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
     }
+    if !config.import.dirs.is_empty() {
+        let c = crate::containerd::Containerd::new(&config.upstream);
+        let stats = Arc::new(crate::import::Stats::default());
+        tasks.push(tokio::spawn(crate::import::run_with_stats(
+            c,
+            config.import.clone(),
+            stop.clone(),
+            stats.clone(),
+        )));
+        tasks.push(tokio::spawn(import_metrics(
+            stats,
+            ops.metrics.clone(),
+            config.import.pin,
+            stop.clone(),
+        )));
+    }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
     let containerd = Containerd::new(&config.upstream);
@@ -75,6 +91,50 @@ pub async fn serve(
         let _ = t.await;
     }
     Ok(result?)
+}
+
+/// Mirrors the importer's counters into Prometheus once a second, so the
+/// importer stays free of metrics plumbing.
+async fn import_metrics(
+    stats: Arc<crate::import::Stats>,
+    m: Arc<ops::metrics::Metrics>,
+    pin: bool,
+    stop: CancellationToken,
+) {
+    use crate::import::Stats;
+    use ops::metrics::Outcome;
+    let mut seen = [0u64; 5];
+    loop {
+        let now = [
+            Stats::get(&stats.imported) + Stats::get(&stats.pulled),
+            Stats::get(&stats.failures) + Stats::get(&stats.pull_failures),
+            Stats::get(&stats.skipped),
+            Stats::get(&stats.images) + Stats::get(&stats.pulled),
+            Stats::get(&stats.unpinned),
+        ];
+        for _ in seen[0]..now[0] {
+            m.imported_file(Outcome::Ok);
+        }
+        for _ in seen[1]..now[1] {
+            m.imported_file(Outcome::Failed);
+        }
+        for _ in seen[2]..now[2] {
+            m.imported_file(Outcome::Skipped);
+        }
+        if pin {
+            for _ in seen[3]..now[3] {
+                m.pinned();
+            }
+        }
+        for _ in seen[4]..now[4] {
+            m.unpinned();
+        }
+        seen = now;
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
 }
 
 /// containerd's ttrpc socket sits next to the gRPC one.

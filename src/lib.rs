@@ -7,6 +7,7 @@
 pub mod app;
 pub mod config;
 pub mod containerd;
+pub mod import;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;

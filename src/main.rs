@@ -35,6 +35,8 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+    /// Import image archives and pull lists once, then exit (1 on failures).
+    Import(ImportArgs),
 }
 
 #[derive(Args)]
@@ -50,6 +52,25 @@ struct DoctorArgs {
 struct SyncArgs {
     #[command(flatten)]
     common: Common,
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    /// TOML configuration file (for import.max_decompressed_bytes, import.pin).
+    #[arg(long, env = "IMGBRIDGE_CONFIG")]
+    config: Option<PathBuf>,
+    /// containerd's gRPC socket.
+    #[arg(long)]
+    upstream: Option<PathBuf>,
+    /// Namespace to import archives into (pull lists always go to k8s.io).
+    #[arg(long, default_value = "k8s.io")]
+    namespace: String,
+    /// Do not pin the imported images.
+    #[arg(long)]
+    no_pin: bool,
+    /// Archives (.tar, .tar.gz, .tar.zst; docker-archive or OCI) and .txt pull lists.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
 }
 
 #[derive(Args)]
@@ -93,6 +114,10 @@ struct ServeArgs {
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
+    /// Watch this directory for image archives and pull lists, importing
+    /// into k8s.io (repeatable; adds to config `[[import.dirs]]`).
+    #[arg(long = "watch-dir")]
+    watch_dir: Vec<PathBuf>,
 }
 
 impl Common {
@@ -116,6 +141,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(a) => serve(a),
         Command::Sync(a) => sync(a),
+        Command::Import(a) => import(a),
         Command::Doctor(a) => doctor(a),
         Command::Completions { shell } => {
             clap_complete::generate(
@@ -189,6 +215,46 @@ fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn import(a: ImportArgs) -> anyhow::Result<()> {
+    let mut c = Config::load(a.config.as_deref())?;
+    if let Some(u) = a.upstream {
+        c.upstream = u;
+    }
+    if !imgbridge::config::valid_namespace(&a.namespace) {
+        anyhow::bail!(
+            "--namespace {:?} is not a valid containerd namespace",
+            a.namespace
+        );
+    }
+    imgbridge::ops::logging::init(&c.log)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let report = rt.block_on(async {
+        imgbridge::import::import_files_with(
+            imgbridge::containerd::Containerd::new(&c.upstream),
+            &a.namespace,
+            &a.files,
+            c.import.pin && !a.no_pin,
+            imgbridge::import::archive::Limits {
+                max_decompressed: c.import.max_decompressed_bytes,
+                ..Default::default()
+            },
+        )
+        .await
+    });
+    let failures = report.failures();
+    if failures.is_empty() {
+        return Ok(());
+    }
+    eprintln!("{} failure(s):", failures.len());
+    for f in &failures {
+        eprintln!("  {f}");
+    }
+    std::process::exit(1);
+}
+
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let mut c = a.common.load()?;
     if let Some(l) = a.listen {
@@ -208,6 +274,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(f) = a.log_filter {
         c.log.filter = f;
+    }
+    for path in a.watch_dir {
+        c.import.dirs.push(imgbridge::config::ImportDir {
+            path: std::path::absolute(&path).unwrap_or(path),
+            namespace: "k8s.io".into(),
+        });
     }
     c.validate()?;
     if a.print_config {

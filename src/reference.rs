@@ -1,124 +1,48 @@
-//! Image reference normalisation, as kubelet/CRI does it
-//! (`docker.ParseDockerRef`): `app:dev` → `docker.io/library/app:dev`.
+//! Image reference normalisation, the way CRI and docker do it
+//! (`docker.ParseDockerRef`): kubelet looks images up by the normalised
+//! name, so a record named `app:dev` is invisible to it while
+//! `docker.io/library/app:dev` is found.
 //!
-//! CRI only resolves normalised names, so every record imgbridge writes into
-//! `k8s.io` goes through here.
+//! - `app:dev` → `docker.io/library/app:dev`
+//! - `foo/bar` → `docker.io/foo/bar:latest`
+//! - `reg:5000/x:y` → unchanged
+//! - `foo:1@sha256:…` → `docker.io/library/foo@sha256:…` (a digest wins over a tag)
 
 use std::fmt;
 
-/// A parsed, normalised reference.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Registry used when a reference names none.
+pub const DEFAULT_DOMAIN: &str = "docker.io";
+const LEGACY_DOMAIN: &str = "index.docker.io";
+const OFFICIAL_PREFIX: &str = "library/";
+const MAX_NAME: usize = 255;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReferenceError {
+    #[error("invalid reference {0:?}: empty")]
+    Empty(String),
+    #[error("invalid reference {0:?}: a 64-hex-digit string is an image id, not a name")]
+    Identifier(String),
+    #[error("invalid reference {0:?}: repository name must be lowercase")]
+    Uppercase(String),
+    #[error("invalid reference {0:?}: bad registry host {1:?}")]
+    Domain(String, String),
+    #[error("invalid reference {0:?}: bad repository path component {1:?}")]
+    Path(String, String),
+    #[error("invalid reference {0:?}: bad tag {1:?}")]
+    Tag(String, String),
+    #[error("invalid reference {0:?}: bad digest {1:?}")]
+    Digest(String, String),
+    #[error("invalid reference {0:?}: name longer than {MAX_NAME} characters")]
+    TooLong(String),
+}
+
+/// A fully qualified reference: `domain/path[:tag][@digest]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Reference {
-    /// Registry host, e.g. `docker.io` or `127.0.0.1:5000`.
     pub domain: String,
-    /// Repository path, e.g. `library/app`.
     pub path: String,
     pub tag: Option<String>,
-    /// `sha256:<hex>` when the reference pins a digest.
     pub digest: Option<String>,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("invalid image reference {input:?}: {reason}")]
-pub struct ParseError {
-    pub input: String,
-    pub reason: &'static str,
-}
-
-impl Reference {
-    /// Parses and normalises; a name with neither tag nor digest gets `latest`.
-    pub fn parse(input: &str) -> Result<Reference, ParseError> {
-        let err = |reason| ParseError {
-            input: input.into(),
-            reason,
-        };
-        if input.is_empty() || input.len() > 4096 {
-            return Err(err("empty or too long"));
-        }
-        let (rest, digest) = match input.split_once('@') {
-            Some((r, d)) => {
-                let hex = d
-                    .strip_prefix("sha256:")
-                    .ok_or(err("only sha256 digests are supported"))?;
-                if hex.len() != 64
-                    || !hex
-                        .bytes()
-                        .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
-                {
-                    return Err(err("digest must be sha256: and 64 lowercase hex digits"));
-                }
-                (r, Some(d.to_string()))
-            }
-            None => (input, None),
-        };
-        let (name, tag) = match rest.rfind(':') {
-            Some(i) if !rest[i..].contains('/') => (&rest[..i], Some(rest[i + 1..].to_string())),
-            _ => (rest, None),
-        };
-        if let Some(t) = &tag {
-            let b = t.as_bytes();
-            if b.is_empty()
-                || b.len() > 128
-                || !(b[0].is_ascii_alphanumeric() || b[0] == b'_')
-                || !b
-                    .iter()
-                    .all(|c| c.is_ascii_alphanumeric() || b"_.-".contains(c))
-            {
-                return Err(err("tag must match [A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"));
-            }
-        }
-        let (domain, path) = match name.split_once('/') {
-            Some((first, remainder))
-                if first.contains('.')
-                    || first.contains(':')
-                    || first == "localhost"
-                    || first.bytes().any(|c| c.is_ascii_uppercase()) =>
-            {
-                (first.to_string(), remainder.to_string())
-            }
-            Some(_) => ("docker.io".to_string(), name.to_string()),
-            None => ("docker.io".to_string(), format!("library/{name}")),
-        };
-        let domain = if domain == "index.docker.io" {
-            "docker.io".into()
-        } else {
-            domain
-        };
-        let path = if domain == "docker.io" && !path.contains('/') {
-            format!("library/{path}")
-        } else {
-            path
-        };
-        if !valid_domain(&domain) {
-            return Err(err("invalid registry host"));
-        }
-        if !path.split('/').all(valid_component) {
-            return Err(err(
-                "repository path must be lowercase [a-z0-9] separated by '.', '_', '__' or '-'",
-            ));
-        }
-        let tag = if tag.is_none() && digest.is_none() {
-            Some("latest".into())
-        } else {
-            tag
-        };
-        Ok(Reference {
-            domain,
-            path,
-            tag,
-            digest,
-        })
-    }
-
-    /// `domain/path` without tag or digest.
-    pub fn repository(&self) -> String {
-        format!("{}/{}", self.domain, self.path)
-    }
-
-    /// The `repo@sha256:…` form for a given digest (digest-ref records).
-    pub fn with_digest(&self, digest: &str) -> String {
-        format!("{}@{digest}", self.repository())
-    }
 }
 
 impl fmt::Display for Reference {
@@ -134,114 +58,269 @@ impl fmt::Display for Reference {
     }
 }
 
-/// Normalises a name into the form CRI resolves.
-pub fn normalize(input: &str) -> Result<String, ParseError> {
-    Reference::parse(input).map(|r| r.to_string())
+impl Reference {
+    /// `domain/path` without tag or digest.
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.domain, self.path)
+    }
+
+    /// The `name@sha256:…` form for `digest` (digest-ref records, which
+    /// spegel and embedded registry mirrors serve from).
+    pub fn with_digest(&self, digest: &str) -> String {
+        format!("{}@{digest}", self.name())
+    }
+
+    /// Parses and normalises like `docker.ParseDockerRef`: default domain and
+    /// `library/`, `:latest` when neither tag nor digest, and a tag dropped
+    /// when a digest is present.
+    pub fn parse(s: &str) -> Result<Reference, ReferenceError> {
+        let mut r = parse_normalized(s)?;
+        if r.digest.is_some() {
+            r.tag = None;
+        } else if r.tag.is_none() {
+            r.tag = Some("latest".into());
+        }
+        Ok(r)
+    }
 }
 
-fn valid_component(c: &str) -> bool {
+/// Normalises `s` to the name CRI resolves (see module docs).
+pub fn normalize(s: &str) -> Result<String, ReferenceError> {
+    Reference::parse(s).map(|r| r.to_string())
+}
+
+/// `ParseNormalizedNamed`: adds the default domain and `library/` but no tag.
+fn parse_normalized(s: &str) -> Result<Reference, ReferenceError> {
+    let err_s = || s.to_string();
+    if s.is_empty() {
+        return Err(ReferenceError::Empty(err_s()));
+    }
+    if s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(ReferenceError::Identifier(err_s()));
+    }
+    let (mut domain, mut rest) = match s.find('/') {
+        Some(i)
+            if s[..i].contains(['.', ':'])
+                || &s[..i] == "localhost"
+                || s[..i].to_lowercase() != s[..i] =>
+        {
+            (s[..i].to_string(), s[i + 1..].to_string())
+        }
+        _ => (DEFAULT_DOMAIN.to_string(), s.to_string()),
+    };
+    if domain == LEGACY_DOMAIN {
+        domain = DEFAULT_DOMAIN.into();
+    }
+    if domain == DEFAULT_DOMAIN && !rest.contains('/') {
+        rest = format!("{OFFICIAL_PREFIX}{rest}");
+    }
+    let (named, digest) = match rest.split_once('@') {
+        Some((n, d)) => (n.to_string(), Some(d.to_string())),
+        None => (rest, None),
+    };
+    let (path, tag) = match named.rfind(':') {
+        Some(i) if !named[i..].contains('/') => {
+            (named[..i].to_string(), Some(named[i + 1..].to_string()))
+        }
+        _ => (named, None),
+    };
+    if path.to_lowercase() != path {
+        return Err(ReferenceError::Uppercase(err_s()));
+    }
+    if !valid_domain(&domain) {
+        return Err(ReferenceError::Domain(err_s(), domain));
+    }
+    for c in path.split('/') {
+        if !valid_path_component(c) {
+            return Err(ReferenceError::Path(err_s(), c.into()));
+        }
+    }
+    if domain.len() + 1 + path.len() > MAX_NAME {
+        return Err(ReferenceError::TooLong(err_s()));
+    }
+    if let Some(t) = &tag {
+        if !valid_tag(t) {
+            return Err(ReferenceError::Tag(err_s(), t.clone()));
+        }
+    }
+    if let Some(d) = &digest {
+        if !valid_digest(d) {
+            return Err(ReferenceError::Digest(err_s(), d.clone()));
+        }
+    }
+    Ok(Reference {
+        domain,
+        path,
+        tag,
+        digest,
+    })
+}
+
+/// `host[:port]`, host a DNS name, IPv4 or `[IPv6]`.
+fn valid_domain(d: &str) -> bool {
+    let (host, port) = if let Some(rest) = d.strip_prefix('[') {
+        let Some((h, after)) = rest.split_once(']') else {
+            return false;
+        };
+        if h.is_empty() || !h.bytes().all(|b| b.is_ascii_hexdigit() || b == b':') {
+            return false;
+        }
+        match after {
+            "" => return true,
+            p => match p.strip_prefix(':') {
+                Some(p) => ("x", Some(p)),
+                None => return false,
+            },
+        }
+    } else {
+        match d.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (d, None),
+        }
+    };
+    if let Some(p) = port {
+        if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+    }
+    !host.is_empty()
+        && host.split('.').all(|c| {
+            let b = c.as_bytes();
+            !b.is_empty()
+                && b[0].is_ascii_alphanumeric()
+                && b[b.len() - 1].is_ascii_alphanumeric()
+                && b.iter().all(|x| x.is_ascii_alphanumeric() || *x == b'-')
+        })
+}
+
+/// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`
+fn valid_path_component(c: &str) -> bool {
     let b = c.as_bytes();
-    if b.is_empty() || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
+    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
+    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
         return false;
     }
-    if !b
-        .iter()
-        .all(|x| x.is_ascii_lowercase() || x.is_ascii_digit() || b"._-".contains(x))
-    {
-        return false;
-    }
-    // Separators: one '.', one or two '_', or any run of '-'; never mixed.
     let mut i = 0;
     while i < b.len() {
-        if b[i].is_ascii_alphanumeric() {
+        if alnum(b[i]) {
             i += 1;
             continue;
         }
         let start = i;
-        while i < b.len() && !b[i].is_ascii_alphanumeric() {
+        while i < b.len() && !alnum(b[i]) {
             i += 1;
         }
         let sep = &c[start..i];
-        if !(sep == "." || sep == "_" || sep == "__" || sep.bytes().all(|x| x == b'-')) {
+        let ok = sep == "." || sep == "_" || sep == "__" || sep.bytes().all(|x| x == b'-');
+        if !ok {
             return false;
         }
     }
     true
 }
 
-fn valid_domain(d: &str) -> bool {
-    let (host, port) = match d.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h, Some(p)),
-        _ => (d, None),
+/// `[\w][\w.-]{0,127}`
+fn valid_tag(t: &str) -> bool {
+    let b = t.as_bytes();
+    let word = |x: u8| x.is_ascii_alphanumeric() || x == b'_';
+    !b.is_empty()
+        && b.len() <= 128
+        && word(b[0])
+        && b.iter().all(|x| word(*x) || *x == b'.' || *x == b'-')
+}
+
+/// A digest containerd accepts: a known algorithm with lowercase hex of the right length.
+pub fn valid_digest(d: &str) -> bool {
+    let Some((alg, hex)) = d.split_once(':') else {
+        return false;
     };
-    if let Some(p) = port {
-        if p.is_empty() || !p.bytes().all(|c| c.is_ascii_digit()) {
-            return false;
-        }
-    }
-    if host.starts_with('[') && host.ends_with(']') {
-        return host.len() > 2;
-    }
-    !host.is_empty()
-        && host.split('.').all(|l| {
-            !l.is_empty()
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
-        })
+    let len = match alg {
+        "sha256" => 64,
+        "sha384" => 96,
+        "sha512" => 128,
+        _ => return false,
+    };
+    hex.len() == len && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const D: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
     #[test]
     fn normalises_like_cri() {
-        for (i, o) in [
+        let cases = [
             ("app:dev", "docker.io/library/app:dev"),
             ("app", "docker.io/library/app:latest"),
             ("foo/bar", "docker.io/foo/bar:latest"),
-            ("docker.io/app:1", "docker.io/library/app:1"),
-            ("index.docker.io/x/y:z", "docker.io/x/y:z"),
-            ("localhost/app:1", "localhost/app:1"),
-            ("127.0.0.1:5000/a/b:c", "127.0.0.1:5000/a/b:c"),
-            (
-                "reg.example.com/a__b/c-d.e:v1.2-3",
-                "reg.example.com/a__b/c-d.e:v1.2-3",
-            ),
-        ] {
+            ("docker.io/foo/bar:1", "docker.io/foo/bar:1"),
+            ("index.docker.io/foo", "docker.io/library/foo:latest"),
+            ("docker.io/busybox", "docker.io/library/busybox:latest"),
+            ("reg:5000/x:y", "reg:5000/x:y"),
+            ("reg:5000/x", "reg:5000/x:latest"),
+            ("127.0.0.1:5000/a/b/c:v1.2", "127.0.0.1:5000/a/b/c:v1.2"),
+            ("localhost/x", "localhost/x:latest"),
+            ("[::1]:5000/x:y", "[::1]:5000/x:y"),
+            ("quay.io/a_b/c-d:T_1", "quay.io/a_b/c-d:T_1"),
+            ("a__b/c---d", "docker.io/a__b/c---d:latest"),
+            ("reg:5000", "docker.io/library/reg:5000"),
+        ];
+        for (i, o) in cases {
             assert_eq!(normalize(i).unwrap(), o, "{i}");
         }
-        let d = format!("sha256:{}", "a".repeat(64));
+    }
+
+    #[test]
+    fn digests() {
         assert_eq!(
-            normalize(&format!("app@{d}")).unwrap(),
-            format!("docker.io/library/app@{d}")
+            normalize(&format!("foo@{D}")).unwrap(),
+            format!("docker.io/library/foo@{D}")
         );
+        // A digest wins over a tag, as in ParseDockerRef.
         assert_eq!(
-            normalize(&format!("app:1@{d}")).unwrap(),
-            format!("docker.io/library/app:1@{d}")
+            normalize(&format!("reg:5000/foo:1@{D}")).unwrap(),
+            format!("reg:5000/foo@{D}")
         );
-        let r = Reference::parse("app:dev").unwrap();
-        assert_eq!(r.with_digest(&d), format!("docker.io/library/app@{d}"));
+        assert!(normalize("foo@sha256:abc").is_err());
+        assert!(normalize("foo@md5:0123456789abcdef0123456789abcdef").is_err());
+        assert!(valid_digest(D));
+        assert!(!valid_digest(&D.to_uppercase()));
     }
 
     #[test]
     fn rejects_invalid() {
         for bad in [
             "",
-            "App:dev",
-            "app:",
-            "app:-x",
-            "a//b",
-            "app@sha256:abc",
-            "app@md5:0123",
-            "a..b",
-            "sha256:xyz/..",
-            "has space",
-            "-lead",
-            "trail-",
+            "Foo",
+            "foo/Bar",
+            "foo:",
+            "foo:-x",
+            "foo::x",
+            "-foo",
+            "foo-",
+            "foo..bar",
+            "foo/",
+            "/foo",
+            "foo//bar",
+            "foo bar",
+            "reg:port/x",
+            "re_g.io/x",
+            "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "foo:a/b",
         ] {
             assert!(normalize(bad).is_err(), "{bad:?} should be rejected");
         }
+        let long = format!("x/{}", "a".repeat(300));
+        assert!(matches!(normalize(&long), Err(ReferenceError::TooLong(_))));
+        let tag = format!("x:{}", "t".repeat(129));
+        assert!(normalize(&tag).is_err());
+    }
+
+    #[test]
+    fn uppercase_first_component_is_a_domain() {
+        // docker treats an uppercase first component as a host name.
+        assert_eq!(normalize("Reg/x").unwrap(), "Reg/x:latest");
     }
 }

@@ -206,7 +206,123 @@ impl Containerd {
     }
 }
 
-#[allow(clippy::large_enum_variant)] // one per blob, short-lived
+/// A blob written chunk by chunk by a caller that learns its digest only
+/// at the end (docker-archive layers are named by their v1 id, not their
+/// digest): open with the digest if known, push chunks, commit with the
+/// digest the caller computed. containerd verifies it at commit. Aborted on
+/// drop unless committed.
+pub struct Ingest {
+    writer: Writer,
+    size: i64,
+}
+
+/// What [`Containerd::open_ingest`] found.
+#[allow(clippy::large_enum_variant)] // short-lived, never stored in bulk
+pub enum IngestStart {
+    /// The expected digest is already in the namespace (and now in the lease).
+    Present,
+    /// Write the bytes (or commit straight away when [`Ingest::is_shared`]).
+    Open(Ingest),
+}
+
+impl Containerd {
+    /// Starts an ingest of `size` bytes in `ns`; `expected` lets containerd
+    /// answer "already present" or share the backend's bytes without a copy.
+    pub async fn open_ingest(
+        &self,
+        ns: &str,
+        lease: Option<&str>,
+        expected: Option<&str>,
+        size: i64,
+    ) -> Result<IngestStart> {
+        let labels = HashMap::new();
+        let blob = BlobRef {
+            digest: expected.unwrap_or(""),
+            size,
+            labels: &labels,
+        };
+        Ok(match self.open_writer(ns, lease, &blob).await? {
+            Opened::Present => IngestStart::Present,
+            Opened::Writer(writer) => IngestStart::Open(Ingest { writer, size }),
+        })
+    }
+
+    /// Sets labels on a blob already in `ns` (mask `labels.<key>` for each).
+    pub async fn update_content_labels(
+        &self,
+        ns: &str,
+        digest: &str,
+        labels: &HashMap<String, String>,
+    ) -> Result<()> {
+        let paths = labels.keys().map(|k| format!("labels.{k}")).collect();
+        self.content()
+            .update(request(
+                ns,
+                None,
+                containerd_client::services::v1::UpdateRequest {
+                    info: Some(Info {
+                        digest: digest.into(),
+                        labels: labels.clone(),
+                        ..Default::default()
+                    }),
+                    update_mask: Some(prost_types::FieldMask { paths }),
+                },
+            ))
+            .await
+            .map_err(Error::status(format!("Content.Update {digest} in {ns}")))?;
+        Ok(())
+    }
+}
+
+impl Ingest {
+    /// containerd already has these bytes (shared content): commit without data.
+    pub fn is_shared(&self) -> bool {
+        self.writer.offset == self.size
+    }
+
+    /// Sends `data` at the current offset (owned, so a chunk of at most
+    /// 1 MiB goes out without a copy; larger ones are split).
+    pub async fn write(&mut self, mut data: Vec<u8>) -> Result<()> {
+        while !data.is_empty() {
+            let rest = if data.len() > CHUNK {
+                data.split_off(CHUNK)
+            } else {
+                Vec::new()
+            };
+            let n = data.len() as i64;
+            self.writer
+                .send(WriteContentRequest {
+                    action: WriteAction::Write as i32,
+                    offset: self.writer.offset,
+                    data,
+                    ..Default::default()
+                })
+                .await?;
+            self.writer.offset += n;
+            self.writer.ack().await?;
+            data = rest;
+        }
+        Ok(())
+    }
+
+    /// Commits as `digest` with `labels`; containerd checks size and digest.
+    pub async fn commit(mut self, digest: &str, labels: &HashMap<String, String>) -> Result<()> {
+        if self.writer.offset != self.size {
+            return Err(Error::Protocol(format!(
+                "{}: wrote {} bytes, expected {}",
+                self.writer.op, self.writer.offset, self.size
+            )));
+        }
+        let blob = BlobRef {
+            digest,
+            size: self.size,
+            labels,
+        };
+        self.writer.commit(&blob).await
+    }
+}
+
+#[allow(clippy::large_enum_variant)] // short-lived, never stored in bulk
 enum Opened {
     Present,
     Writer(Writer),
@@ -327,33 +443,5 @@ impl Drop for Writer {
                 ))
                 .await;
         });
-    }
-}
-
-impl Containerd {
-    /// Sets labels on a blob in `ns` (only the given keys; others are kept).
-    pub async fn update_content_labels(
-        &self,
-        ns: &str,
-        digest: &str,
-        labels: HashMap<String, String>,
-    ) -> Result<()> {
-        let paths = labels.keys().map(|k| format!("labels.{k}")).collect();
-        self.content()
-            .update(request(
-                ns,
-                None,
-                containerd_client::services::v1::UpdateRequest {
-                    info: Some(Info {
-                        digest: digest.into(),
-                        labels,
-                        ..Default::default()
-                    }),
-                    update_mask: Some(prost_types::FieldMask { paths }),
-                },
-            ))
-            .await
-            .map_err(Error::status(format!("Content.Update {digest} in {ns}")))?;
-        Ok(())
     }
 }

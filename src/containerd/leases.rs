@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
-use containerd_client::services::v1::{CreateRequest, DeleteRequest};
+use containerd_client::services::v1::{AddResourceRequest, CreateRequest, DeleteRequest, Resource};
 
 use super::{request, Containerd, Error, Result};
 
@@ -33,6 +33,28 @@ impl Containerd {
             .await
             .map_err(Error::status(format!("Leases.Create in {ns}")))?;
         Ok(id)
+    }
+
+    /// Adds an existing blob to a lease: containerd answers a COMMIT of an
+    /// already present digest with ALREADY_EXISTS without leasing it.
+    pub async fn lease_content(&self, ns: &str, id: &str, digest: &str) -> Result<()> {
+        self.leases()
+            .add_resource(request(
+                ns,
+                None,
+                AddResourceRequest {
+                    id: id.into(),
+                    resource: Some(Resource {
+                        id: digest.into(),
+                        r#type: "content".into(),
+                    }),
+                },
+            ))
+            .await
+            .map_err(Error::status(format!(
+                "Leases.AddResource {digest} to {id} in {ns}"
+            )))?;
+        Ok(())
     }
 
     /// Releases a lease; GC runs asynchronously (not `sync`).

@@ -443,7 +443,7 @@ impl Replicator {
                     .collect();
                 if !missing.is_empty() {
                     self.c
-                        .update_content_labels(target, &c.digest, missing)
+                        .update_content_labels(target, &c.digest, &missing)
                         .await?;
                     v.writes += 1;
                 }
@@ -609,9 +609,9 @@ impl Replicator {
                     .list_images(source, vec![format!("target.digest=={}", t.digest)])
                     .await
                     .map_err(err)?;
-                let shared = same_digest.iter().any(|i| {
-                    Reference::parse(&i.name).is_ok_and(|r| r.repository() == parsed.repository())
-                });
+                let shared = same_digest
+                    .iter()
+                    .any(|i| Reference::parse(&i.name).is_ok_and(|r| r.name() == parsed.name()));
                 let dref = parsed.with_digest(&t.digest);
                 if !shared {
                     records.extend(self.c.get_image(target, &dref).await.map_err(err)?);

@@ -1,0 +1,342 @@
+//! The containerd side of an archive import: a [`BlobSink`] over
+//! Content.Write, and writing a [`Plan`]'s metadata and image records.
+//!
+//! The sync reader runs on a blocking thread and hands each 1 MiB chunk to
+//! an async task through a small bounded channel, so decompression and
+//! hashing overlap with the gRPC writes while memory stays at a few chunks.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::runtime::Handle;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use super::archive::{
+    self, BlobSink, BlobWrite, Compression, Format, Plan, Progress, ReadOptions, SinkError,
+    SmallBlob,
+};
+use super::pin;
+use super::ImportError;
+use crate::containerd::content::{BlobRef, IngestStart, Linked};
+use crate::containerd::{Containerd, Descriptor};
+
+/// Chunks in flight between the reader thread and the writer task.
+const PIPELINE: usize = 4;
+/// Lease lifetime: long enough for a very large import, short enough that
+/// a crash does not keep orphaned blobs for long.
+const LEASE_TTL: Duration = Duration::from_secs(4 * 3600);
+/// Progress is logged this often, or every [`PROGRESS_BYTES`].
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+const PROGRESS_BYTES: u64 = 256 << 20;
+
+/// Streams blobs into one namespace under one lease.
+pub struct ContainerdSink {
+    handle: Handle,
+    c: Containerd,
+    ns: String,
+    lease: Option<String>,
+    /// Set when the import was dropped (shutdown): the reader thread stops.
+    abandoned: Arc<AtomicBool>,
+}
+
+impl ContainerdSink {
+    pub fn new(handle: Handle, c: Containerd, ns: &str, lease: Option<String>) -> Self {
+        ContainerdSink {
+            handle,
+            c,
+            ns: ns.into(),
+            lease,
+            abandoned: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    fn check(&self) -> Result<(), SinkError> {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(SinkError("import cancelled".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Flags the sink as abandoned when the import future is dropped.
+struct AbandonOnDrop(Arc<AtomicBool>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+impl BlobSink for ContainerdSink {
+    fn start(
+        &mut self,
+        expected: Option<&str>,
+        size: u64,
+    ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
+        self.check()?;
+        let start = self.handle.block_on(self.c.open_ingest(
+            &self.ns,
+            self.lease.as_deref(),
+            expected,
+            size as i64,
+        ))?;
+        let ingest = match start {
+            IngestStart::Present => return Ok(None),
+            IngestStart::Open(i) => i,
+        };
+        if let (true, Some(d)) = (ingest.is_shared(), expected) {
+            self.handle.block_on(ingest.commit(d, &HashMap::new()))?;
+            return Ok(None);
+        }
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(PIPELINE);
+        let (done_tx, done_rx) = oneshot::channel::<String>();
+        let (c, ns, lease) = (self.c.clone(), self.ns.clone(), self.lease.clone());
+        // containerd answers a COMMIT of a digest it already has with
+        // ALREADY_EXISTS and does not lease it; lease it ourselves.
+        let lease_after = expected.is_none();
+        let task = self.handle.spawn(async move {
+            let mut ingest = ingest;
+            while let Some(chunk) = rx.recv().await {
+                ingest.write(chunk).await?;
+            }
+            let digest = done_rx
+                .await
+                .map_err(|_| crate::containerd::Error::Protocol("blob abandoned".into()))?;
+            ingest.commit(&digest, &HashMap::new()).await?;
+            if let (true, Some(l)) = (lease_after, lease) {
+                c.lease_content(&ns, &l, &digest).await?;
+            }
+            Ok(())
+        });
+        Ok(Some(Box::new(ContainerdWrite {
+            abandoned: self.abandoned.clone(),
+            handle: self.handle.clone(),
+            tx: Some(tx),
+            done: Some(done_tx),
+            task: Some(task),
+        })))
+    }
+}
+
+type WriteTask = JoinHandle<Result<(), crate::containerd::Error>>;
+
+struct ContainerdWrite {
+    abandoned: Arc<AtomicBool>,
+    handle: Handle,
+    tx: Option<mpsc::Sender<Vec<u8>>>,
+    done: Option<oneshot::Sender<String>>,
+    task: Option<WriteTask>,
+}
+
+impl ContainerdWrite {
+    fn outcome(&mut self) -> Result<(), SinkError> {
+        let Some(task) = self.task.take() else {
+            return Err(SinkError("writer already finished".into()));
+        };
+        match self.handle.block_on(task) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl BlobWrite for ContainerdWrite {
+    fn write(&mut self, chunk: Vec<u8>) -> Result<(), SinkError> {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(SinkError("import cancelled".into()));
+        }
+        let sent = match &self.tx {
+            Some(tx) => tx.blocking_send(chunk).is_ok(),
+            None => false,
+        };
+        if sent {
+            return Ok(());
+        }
+        // The task stopped early: report why.
+        self.tx = None;
+        self.done = None;
+        match self.outcome() {
+            Ok(()) => Err(SinkError("containerd writer stopped early".into())),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn finish(mut self: Box<Self>, digest: &str) -> Result<(), SinkError> {
+        self.tx = None;
+        if let Some(d) = self.done.take() {
+            let _ = d.send(digest.to_string());
+        }
+        self.outcome()
+    }
+}
+
+/// Result of importing one archive.
+#[derive(Debug, Default)]
+pub struct ArchiveOutcome {
+    /// Image name → target digest, for every record written.
+    pub images: Vec<(String, String)>,
+    pub failures: Vec<String>,
+    pub warnings: Vec<String>,
+    pub raw_bytes: u64,
+    pub decompressed_bytes: u64,
+    pub raw_sha256: Option<String>,
+    pub compression: Option<Compression>,
+    pub format: Option<Format>,
+}
+
+/// Imports the archive at `path` into `ns`: blobs stream under a lease,
+/// metadata and then image records are written last, so no image ever
+/// points at content that is not there. `source` pins the images.
+pub async fn import_archive(
+    c: &Containerd,
+    ns: &str,
+    path: &Path,
+    opts: ReadOptions,
+    source: Option<&str>,
+) -> Result<ArchiveOutcome, ImportError> {
+    let lease = c.create_lease(ns, LEASE_TTL).await?;
+    let res = import_leased(c, ns, path, opts, source, &lease).await;
+    if let Err(e) = c.delete_lease(ns, &lease).await {
+        tracing::warn!(lease, error = %e, "releasing import lease failed; it expires on its own");
+    }
+    res
+}
+
+async fn import_leased(
+    c: &Containerd,
+    ns: &str,
+    path: &Path,
+    opts: ReadOptions,
+    source: Option<&str>,
+    lease: &str,
+) -> Result<ArchiveOutcome, ImportError> {
+    let handle = Handle::current();
+    let sink = ContainerdSink::new(handle, c.clone(), ns, Some(lease.to_string()));
+    let _abandon = AbandonOnDrop(sink.abandoned.clone());
+    let file: PathBuf = path.into();
+    let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
+        .await
+        .map_err(|e| ImportError::Other(format!("archive reader panicked: {e}")))??;
+    let mut out = ArchiveOutcome {
+        failures: plan.failures.clone(),
+        warnings: plan.warnings.clone(),
+        raw_bytes: plan.raw_bytes,
+        decompressed_bytes: plan.decompressed_bytes,
+        raw_sha256: plan.raw_sha256.clone(),
+        compression: Some(plan.compression),
+        format: Some(plan.format),
+        ..Default::default()
+    };
+    write_plan(c, ns, lease, &plan, source, &mut out).await?;
+    Ok(out)
+}
+
+fn read_file(
+    path: &Path,
+    opts: &ReadOptions,
+    mut sink: ContainerdSink,
+) -> Result<Plan, ImportError> {
+    let io = |source| ImportError::Io {
+        path: path.into(),
+        source,
+    };
+    let f = std::fs::File::open(path).map_err(io)?;
+    let total = f.metadata().map_err(io)?.len();
+    let started = Instant::now();
+    let (mut last_t, mut last_b) = (started, 0u64);
+    let mut progress = |p: Progress| {
+        if last_t.elapsed() >= PROGRESS_EVERY || p.raw_bytes >= last_b + PROGRESS_BYTES {
+            tracing::info!(
+                file = %path.display(),
+                read_mib = p.raw_bytes >> 20,
+                size_mib = total >> 20,
+                decompressed_mib = p.decompressed_bytes >> 20,
+                secs = started.elapsed().as_secs(),
+                "import in progress"
+            );
+            (last_t, last_b) = (Instant::now(), p.raw_bytes);
+        }
+    };
+    Ok(archive::read_archive(f, opts, &mut sink, &mut progress)?)
+}
+
+/// Writes each image's metadata blobs (children first) and then its
+/// records. An image whose blobs fail is reported and skipped; the
+/// others still go in.
+async fn write_plan(
+    c: &Containerd,
+    ns: &str,
+    lease: &str,
+    plan: &Plan,
+    source: Option<&str>,
+    out: &mut ArchiveOutcome,
+) -> Result<(), ImportError> {
+    let mut written = HashSet::new();
+    'images: for img in &plan.images {
+        for b in &img.blobs {
+            if written.contains(&b.desc.digest) {
+                continue;
+            }
+            if let Err(e) = write_small(c, ns, lease, b).await {
+                if e.is(tonic::Code::Unavailable) {
+                    return Err(e.into());
+                }
+                out.failures.push(format!(
+                    "{}: writing {}: {e}",
+                    img.names.join(", "),
+                    b.desc.digest
+                ));
+                continue 'images;
+            }
+            written.insert(b.desc.digest.clone());
+        }
+        let target = Descriptor {
+            media_type: img.target.media_type.clone(),
+            digest: img.target.digest.clone(),
+            size: img.target.size,
+            annotations: HashMap::new(),
+        };
+        for name in &img.names {
+            match pin::record(c, ns, name, &target, source).await {
+                Ok(_) => out.images.push((name.clone(), target.digest.clone())),
+                Err(e) if e.is(tonic::Code::Unavailable) => return Err(e.into()),
+                Err(e) => out.failures.push(format!("{name}: {e}")),
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn write_small(
+    c: &Containerd,
+    ns: &str,
+    lease: &str,
+    b: &SmallBlob,
+) -> Result<(), crate::containerd::Error> {
+    let labels: HashMap<String, String> = b.labels.clone().into_iter().collect();
+    let data = Bytes::from(b.data.as_ref().clone());
+    let linked = c
+        .write_blob(
+            ns,
+            Some(lease),
+            BlobRef {
+                digest: &b.desc.digest,
+                size: b.desc.size,
+                labels: &labels,
+            },
+            futures_util::stream::iter([Ok(data)]),
+        )
+        .await?;
+    // A blob that was already there may lack our GC refs (written by an
+    // older tool); without them GC would take its children.
+    if linked == Linked::Present && !labels.is_empty() {
+        c.update_content_labels(ns, &b.desc.digest, &labels).await?;
+    }
+    Ok(())
+}
