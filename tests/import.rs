@@ -723,7 +723,7 @@ async fn slow_copy_imported_once() {
         &[&dir],
         &tmp.path().join("state.json"),
         None,
-        Duration::from_secs(1),
+        Duration::from_millis(1500),
     );
     poll("first scan", 10, || async { r.get(|s| &s.scans) >= 1 }).await;
     let data = gzip(&read("a.tar"));
