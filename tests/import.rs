@@ -157,7 +157,15 @@ state = "{state}"
                 .local_addr()
                 .unwrap()
                 .port();
-            let dir = std::env::temp_dir().join(format!("imgbridge-import-reg-{}", std::process::id()));
+            // One data dir per test process; those of finished runs are removed.
+            let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("import-registry");
+            for e in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+                let pid = e.file_name().to_string_lossy().into_owned();
+                if !Path::new("/proc").join(&pid).exists() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+            let dir = base.join(std::process::id().to_string());
             std::fs::create_dir_all(&dir).unwrap();
             let cfg = dir.join("config.yml");
             std::fs::write(
@@ -723,7 +731,7 @@ async fn slow_copy_imported_once() {
         &[&dir],
         &tmp.path().join("state.json"),
         None,
-        Duration::from_secs(1),
+        Duration::from_millis(1500),
     );
     poll("first scan", 10, || async { r.get(|s| &s.scans) >= 1 }).await;
     let data = gzip(&read("a.tar"));
