@@ -101,11 +101,13 @@ start_imgbridge() { # binary socket logfile
 }
 start_imgbridge "$rel/imgbridge" "$tmp/imgbridge.sock" "$tmp/imgbridge.log"
 ib_pid=$!
+procs=("" "$floor_pid" "$ib_pid") # whose CPU time a target costs (direct: none)
 if [[ -n ${BENCH_BASELINE:-} ]]; then
     start_imgbridge "$BENCH_BASELINE" "$tmp/baseline.sock" "$tmp/baseline.log"
     base_pid=$!
     names+=(baseline)
     socks+=("$tmp/baseline.sock")
+    procs+=("$base_pid")
 fi
 for s in "${socks[@]}"; do wait_up "$s"; done
 n=${#names[@]}
@@ -118,14 +120,21 @@ order() { # round -> indices rotated by round
     for ((k = 0; k < n; k++)); do echo $(((k + r) % n)); done
 }
 kv() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
+hz=$(getconf CLK_TCK)
+cpu_ticks() { if [[ -n $1 ]]; then awk '{print $14 + $15}' "/proc/$1/stat"; else echo 0; fi; }
 
 # --- unary -----------------------------------------------------------------
 for ((r = 0; r < ROUNDS; r++)); do
     idx=($(order $r))
     list=$(for i in "${idx[@]}"; do printf '%s,' "${socks[$i]}"; done)
     log "unary round $((r + 1))/$ROUNDS: $CALLS calls per target"
+    c0=(); for i in "${idx[@]}"; do c0[i]=$(cpu_ticks "${procs[$i]}"); done
     out=$("$client" unary --sockets "${list%,}" --calls "$CALLS" --warmup "$WARMUP")
     for i in "${idx[@]}"; do
+        if [[ -n ${procs[$i]} ]]; then
+            echo "unary_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0[i])) \
+                -v hz="$hz" -v n=$((CALLS + WARMUP)) 'BEGIN {print t / hz * 1e6 / n}')" >>"$res"
+        fi
         line=$(grep -F "socket=${socks[$i]} " <<<"$out")
         for p in p50 p90 p99; do
             echo "unary_$p $r ${names[$i]} $(kv ${p}_us <<<"$line")" >>"$res"
@@ -139,25 +148,34 @@ log "creating the ${SIZE_MB} MiB blob to read"
 digest=$("$client" write --socket "$cd_sock" --ns $NS --size $bytes | kv digest)
 "$client" read --socket "$cd_sock" --ns $NS --digest "$digest" >/dev/null # page cache
 
-stream_test() { # name, then client args after --socket S
-    local test=$1 r i v
-    shift
+stream_test() { # name, GiB moved per run, then client args after --socket S
+    local test=$1 gib=$2 r i v c0 out
+    shift 2
     for ((r = 0; r < ROUNDS; r++)); do
         for i in $(order $r); do
-            v=$("$client" "$1" --socket "${socks[$i]}" "${@:2}" | kv mbps)
+            c0=$(cpu_ticks "${procs[$i]}")
+            out=$("$client" "$1" --socket "${socks[$i]}" "${@:2}")
+            v=$(kv mbps <<<"$out")
             log "$test round $((r + 1))/$ROUNDS ${names[$i]}: $v MB/s"
             echo "$test $r ${names[$i]} $v" >>"$res"
+            if [[ -n ${procs[$i]} ]]; then
+                echo "${test}_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0)) \
+                    -v hz="$hz" -v g="$gib" 'BEGIN {print t / hz * 1000 / g}')" >>"$res"
+            fi
         done
     done
 }
-stream_test write write --ns $NS --size $bytes --delete
-stream_test read read --ns $NS --digest "$digest" --concurrency 1
-stream_test readN read --ns $NS --digest "$digest" --concurrency "$READERS"
+gib=$(awk -v m="$SIZE_MB" 'BEGIN {print m / 1024}')
+stream_test write "$gib" write --ns $NS --size $bytes --delete
+stream_test read "$gib" read --ns $NS --digest "$digest" --concurrency 1
+stream_test readN "$(awk -v g="$gib" -v n="$READERS" 'BEGIN {print g * n}')" \
+    read --ns $NS --digest "$digest" --concurrency "$READERS"
 
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 rss_ib=$(hwm_kib $ib_pid)
 rss_floor=$(hwm_kib $floor_pid)
-[[ -n ${base_pid:-} ]] && rss_base=$(hwm_kib $base_pid)
+rss_base=
+if [[ -n ${base_pid:-} ]]; then rss_base=$(hwm_kib "$base_pid"); fi
 
 # --- report ----------------------------------------------------------------
 median() { sort -g | awk '{a[NR] = $1} END {if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
@@ -168,8 +186,8 @@ paired() { # test target ref mode(ratio|overhead)
         $1 == t {v[$2, $3] = $4; rounds[$2] = 1}
         END {
             for (r in rounds) {
-                if (m == "ratio") print v[r, g] / v[r, ref]
-                else print (v[r, g] - v[r, d]) / (v[r, ref] - v[r, d])
+                if (m == "ratio") { if (v[r, ref] != 0) print v[r, g] / v[r, ref] }
+                else if (v[r, ref] != v[r, d]) print (v[r, g] - v[r, d]) / (v[r, ref] - v[r, d])
             }
         }' "$res" | median
 }
@@ -202,9 +220,20 @@ echo "  (us over direct, per-round median)"
 row "write MB/s" write tput ">= 0.95 of floor"
 row "read MB/s" read tput ">= 0.95 of floor"
 row "${READERS}x read MB/s" readN tput ">= 0.95 of floor"
+cpu_row() { # label test
+    local g
+    printf '%-22s%11s' "$1" "-"
+    for g in "${cols[@]:1}"; do printf '%11.1f' "$(val "$2" "$g")"; done
+    printf '%12s\n' "$(printf '%.2f' "$(paired "$2" imgbridge floor ratio)")"
+}
+echo "CPU time of the relaying process (user+sys, proxies only; less noisy than wall time):"
+cpu_row "  us per unary call" unary_cpu
+cpu_row "  ms per GiB write" write_cpu
+cpu_row "  ms per GiB read" read_cpu
+cpu_row "  ms per GiB ${READERS}x read" readN_cpu
 printf '%-22s%11s%11.1f%11.1f' "peak RSS (MiB)" "-" "$(awk -v k="$rss_floor" 'BEGIN{print k/1024}')" \
     "$(awk -v k="$rss_ib" 'BEGIN{print k/1024}')"
-[[ -n ${rss_base:-} ]] && printf '%11.1f' "$(awk -v k="$rss_base" 'BEGIN{print k/1024}')"
+if [[ -n $rss_base ]]; then printf '%11.1f' "$(awk -v k="$rss_base" 'BEGIN{print k/1024}')"; fi
 printf '%24s  %s\n' "" "imgbridge <= 32 MiB"
 if [[ -n ${BENCH_BASELINE:-} ]]; then
     echo "imgbridge vs baseline: unary p50 overhead $(printf '%.2f' "$(paired unary_p50 imgbridge baseline overhead)")x," \
