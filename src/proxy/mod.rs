@@ -7,9 +7,11 @@
 pub mod body;
 pub mod grpc;
 pub mod intercept;
+pub mod io;
 pub mod listener;
 pub mod observe;
 pub mod raw;
+pub mod shards;
 pub mod tuning;
 pub mod upstream;
 
@@ -65,6 +67,8 @@ impl ProxyConfig {
 pub enum ProxyError {
     #[error("accept on the proxy socket failed: {0}")]
     Accept(std::io::Error),
+    #[error("cannot start the connection threads: {0}")]
+    Threads(std::io::Error),
 }
 
 /// Serves gRPC on `listener` until `shutdown` resolves, then stops accepting
@@ -80,6 +84,8 @@ pub async fn serve(
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder.timer(TokioTimer::new());
     config.tuning.server(&mut builder);
+    let mut shards =
+        shards::Shards::start(config.tuning.shard_count()).map_err(ProxyError::Threads)?;
     tokio::pin!(shutdown);
     let mut accept_errors = 0u32;
     loop {
@@ -99,16 +105,32 @@ pub async fn serve(
                 }
             },
         };
+        let peer = peer_label(&stream);
+        // Move the socket to a connection thread (its own I/O driver).
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(peer = %peer, error = %e, "cannot hand over connection");
+                continue;
+            }
+        };
         let conn = Arc::new(Connection {
             upstream: Upstream::new(upstream_path.clone(), config.tuning),
             interceptor: interceptor.clone(),
             observer: config.observer.clone(),
         });
-        let peer = peer_label(&stream);
-        let svc = service_fn(move |req| conn.clone().handle(req));
-        let fut = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
-        tokio::spawn(async move {
-            if let Err(e) = fut.await {
+        let (builder, tuning, watcher) = (builder.clone(), config.tuning, graceful.watcher());
+        shards.spawn(async move {
+            let stream = match UnixStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(peer = %peer, error = %e, "cannot register connection");
+                    return;
+                }
+            };
+            let svc = service_fn(move |req| conn.clone().handle(req));
+            let io = TokioIo::new(tuning.server_io(stream));
+            if let Err(e) = watcher.watch(builder.serve_connection(io, svc)).await {
                 // Clients routinely reset when they exit; not worth more than debug.
                 tracing::debug!(peer = %peer, error = %e, "client connection ended");
             }
@@ -122,6 +144,7 @@ pub async fn serve(
     {
         tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls still running at drain timeout; closing them");
     }
+    shards.stop().await;
     Ok(())
 }
 
@@ -161,7 +184,9 @@ impl Connection {
                 self.forward(Request::from_parts(parts, Either::Left(body)))
                     .await
             }
-            Some(hook) => self.held(call, hook, parts, body).await,
+            // Boxed: the held path's state is ~4 KiB, and hyper moves this
+            // future into a new task for every call, passthrough included.
+            Some(hook) => Box::pin(self.held(call, hook, parts, body)).await,
         };
         Ok(observe::response(resp, guard))
     }

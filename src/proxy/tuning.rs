@@ -1,4 +1,5 @@
-//! HTTP/2 settings of both legs, in one place so benchmarks can compare them.
+//! HTTP/2, socket and threading settings of both legs, in one place so
+//! benchmarks can compare them (`scripts/bench.sh`, docs/performance.md).
 //!
 //! Defaults mirror what grpc-go (containerd, ctr, kubelet) accepts, so that
 //! the proxy imposes no limit the client would not hit directly: unlimited
@@ -6,7 +7,9 @@
 
 use hyper_util::rt::TokioExecutor;
 
-/// Window and frame settings shared by the server and client legs.
+use super::io::{Coalesce, FlushMode};
+
+/// Settings shared by the server (client-facing) and client (containerd) legs.
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
     pub stream_window: u32,
@@ -14,6 +17,11 @@ pub struct Tuning {
     pub max_frame: u32,
     pub max_header_list: u32,
     pub max_send_buf: usize,
+    /// Read and write buffer of each socket, see [`Coalesce`]; 0 = none.
+    pub io_buf: usize,
+    /// Threads serving connections, each a single-threaded runtime that owns
+    /// its connections outright; 0 = one per CPU.
+    pub shards: usize,
 }
 
 impl Default for Tuning {
@@ -24,6 +32,8 @@ impl Default for Tuning {
             max_frame: 1 << 16,
             max_header_list: 16 << 20,
             max_send_buf: 1 << 20,
+            io_buf: 256 << 10,
+            shards: 0,
         }
     }
 }
@@ -31,6 +41,8 @@ impl Default for Tuning {
 impl Tuning {
     pub fn server(&self, b: &mut hyper::server::conn::http2::Builder<TokioExecutor>) {
         b.max_concurrent_streams(None)
+            // Relay containerd's headers as they are: hyper would add `date`.
+            .auto_date_header(false)
             .max_header_list_size(self.max_header_list)
             .initial_stream_window_size(self.stream_window)
             .initial_connection_window_size(self.conn_window)
@@ -45,5 +57,25 @@ impl Tuning {
             .max_frame_size(self.max_frame)
             .max_send_buf_size(self.max_send_buf)
             .initial_max_send_streams(usize::MAX >> 1);
+    }
+
+    /// The client's socket. Replies go out as soon as they are ready.
+    pub fn server_io<T>(&self, io: T) -> Coalesce<T> {
+        Coalesce::new(io, self.io_buf, self.io_buf, FlushMode::Immediate)
+    }
+
+    /// containerd's socket. A request's HEADERS and DATA leave in one write
+    /// (hyper queues them from two tasks), and the PING ack containerd asks
+    /// for with every reply waits until the reply has been relayed.
+    pub fn client_io<T>(&self, io: T) -> Coalesce<T> {
+        Coalesce::new(io, self.io_buf, self.io_buf, FlushMode::EndOfTick)
+    }
+
+    /// Number of connection threads.
+    pub fn shard_count(&self) -> usize {
+        match self.shards {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
     }
 }

@@ -56,7 +56,8 @@ impl Upstream {
                 return Ok(s.clone());
             }
         }
-        let s = self.connect().await?;
+        // Boxed: rare, and its state would otherwise inflate every call's future.
+        let s = Box::pin(self.connect()).await?;
         *slot = Some(s.clone());
         Ok(s)
     }
@@ -73,7 +74,7 @@ impl Upstream {
         b.timer(TokioTimer::new());
         self.tuning.client(&mut b);
         let (sender, conn) = b
-            .handshake::<_, ProxyBody>(TokioIo::new(stream))
+            .handshake::<_, ProxyBody>(TokioIo::new(self.tuning.client_io(stream)))
             .await
             .map_err(|source| UpstreamError::Handshake {
                 path: (*self.path).clone(),

@@ -133,6 +133,9 @@ pub struct Replicator {
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
+    /// The runtime replications run on: the one that built the replicator,
+    /// not the proxy's connection threads that trigger them.
+    rt: Option<tokio::runtime::Handle>,
 }
 
 /// Result of looking at one blob.
@@ -154,6 +157,7 @@ impl Replicator {
             nodes: Default::default(),
             cri: OnceCell::new(),
             metrics: std::sync::OnceLock::new(),
+            rt: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -674,9 +678,12 @@ impl Replicator {
         let (src, n) = (source.to_string(), name.to_string());
         let span = crate::ops::trace::InterceptSpan::new(method, source, name);
         // Detached: a caller that gives up must not leave a replica half done.
-        let res = tokio::spawn(
-            async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone()),
-        )
+        let task =
+            async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone());
+        let res = match &self.rt {
+            Some(rt) => rt.spawn(task),
+            None => tokio::spawn(task),
+        }
         .await
         .unwrap_or_else(|e| {
             Err(Error::Containerd {

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# imgbridge against direct containerd and against the floor (a minimal tokio
+# byte relay, examples/floor_relay.rs), all in one run.
+#
+# Starts a throwaway containerd (temp root/state/sockets, CRI disabled), the
+# floor relay and `imgbridge serve` in front of it, then measures:
+#   unary   BENCH_CALLS sequential Version calls per socket, interleaved one by
+#           one across the sockets (p50/p90/p99 per call)
+#   write   Content.Write of BENCH_SIZE_MB MiB of fresh random bytes (MB/s)
+#   read    Content.Read of a BENCH_SIZE_MB MiB blob (MB/s)
+#   read×N  BENCH_READERS concurrent Content.Read streams of it (aggregate MB/s)
+#   RSS     imgbridge's peak RSS (VmHWM) at the end, i.e. over all of the above
+# Every test runs BENCH_ROUNDS rounds; each round visits every target, in an
+# order rotated per round, so drift on this noisy machine hits all alike.
+# Reported: medians over rounds; ratios are medians of the per-round ratios.
+#
+# Needs only Debian's containerd and cargo. Environment:
+#   BENCH_SIZE_MB=1024 BENCH_CALLS=5000 BENCH_WARMUP=200 BENCH_ROUNDS=3
+#   BENCH_READERS=8 BENCH_NO_BUILD=1 (skip cargo build) BENCH_KEEP=1 (keep temp dir)
+#   BENCH_BASELINE=/path/to/another/imgbridge  (adds it as a 4th target: A/B
+#                  a change against the previous build in the same run)
+#   BENCH_RUST_LOG=info (imgbridge's log filter) CONTAINERD=containerd
+# Quick run: BENCH_SIZE_MB=64 BENCH_CALLS=500 BENCH_ROUNDS=1 scripts/bench.sh
+set -euo pipefail
+
+SIZE_MB=${BENCH_SIZE_MB:-1024}
+CALLS=${BENCH_CALLS:-5000}
+WARMUP=${BENCH_WARMUP:-200}
+ROUNDS=${BENCH_ROUNDS:-3}
+READERS=${BENCH_READERS:-8}
+CONTAINERD=${CONTAINERD:-containerd}
+NS=bench
+
+cd "$(dirname "$0")/.."
+if [[ -z ${BENCH_NO_BUILD:-} ]]; then
+    cargo build --release --examples --bins >&2
+fi
+target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null |
+    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+rel=${target_dir:-target}/release
+client=$rel/examples/bench_client
+for b in "$rel/imgbridge" "$rel/examples/floor_relay" "$client"; do
+    [[ -x $b ]] || { echo "missing $b (build failed?)" >&2; exit 1; }
+done
+command -v "$CONTAINERD" >/dev/null || { echo "containerd not found (apt-get install containerd)" >&2; exit 1; }
+
+tmp=$(mktemp -d /tmp/imgbridge-bench.XXXXXX)
+pids=()
+cleanup() {
+    local p
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    if [[ -z ${BENCH_KEEP:-} ]]; then rm -rf "$tmp"; else echo "kept $tmp" >&2; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log() { printf '[bench] %s\n' "$*" >&2; }
+
+# --- daemons ---------------------------------------------------------------
+cd_sock=$tmp/containerd.sock
+cat >"$tmp/containerd.toml" <<EOF
+version = 2
+root = "$tmp/root"
+state = "$tmp/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+[grpc]
+  address = "$cd_sock"
+[ttrpc]
+  address = "$cd_sock.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$tmp/opt"
+EOF
+"$CONTAINERD" --config "$tmp/containerd.toml" >"$tmp/containerd.log" 2>&1 &
+pids+=($!)
+
+wait_up() { # socket
+    local i
+    for i in $(seq 100); do
+        if [[ -S $1 ]] && "$client" unary --sockets "$1" --calls 1 --warmup 0 >/dev/null 2>&1; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "$1 did not come up; logs in $tmp" >&2
+    BENCH_KEEP=1
+    exit 1
+}
+wait_up "$cd_sock"
+
+names=(direct floor imgbridge)
+socks=("$cd_sock" "$tmp/floor.sock" "$tmp/imgbridge.sock")
+"$rel/examples/floor_relay" "$tmp/floor.sock" "$cd_sock" 2>"$tmp/floor.log" &
+pids+=($!)
+floor_pid=$!
+: >"$tmp/imgbridge.toml"
+start_imgbridge() { # binary socket logfile
+    RUST_LOG=${BENCH_RUST_LOG:-info} "$1" serve --config "$tmp/imgbridge.toml" \
+        --listen "$2" --upstream "$cd_sock" 2>"$3" &
+    pids+=($!)
+}
+start_imgbridge "$rel/imgbridge" "$tmp/imgbridge.sock" "$tmp/imgbridge.log"
+ib_pid=$!
+procs=("" "$floor_pid" "$ib_pid") # whose CPU time a target costs (direct: none)
+if [[ -n ${BENCH_BASELINE:-} ]]; then
+    start_imgbridge "$BENCH_BASELINE" "$tmp/baseline.sock" "$tmp/baseline.log"
+    base_pid=$!
+    names+=(baseline)
+    socks+=("$tmp/baseline.sock")
+    procs+=("$base_pid")
+fi
+for s in "${socks[@]}"; do wait_up "$s"; done
+n=${#names[@]}
+log "containerd $("$CONTAINERD" --version | awk '{print $3}'), targets: ${names[*]}, tmp $tmp"
+
+res=$tmp/results # lines: test round target value
+: >"$res"
+order() { # round -> indices rotated by round
+    local r=$1 k
+    for ((k = 0; k < n; k++)); do echo $(((k + r) % n)); done
+}
+kv() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
+hz=$(getconf CLK_TCK)
+cpu_ticks() { if [[ -n $1 ]]; then awk '{print $14 + $15}' "/proc/$1/stat"; else echo 0; fi; }
+
+# --- unary -----------------------------------------------------------------
+for ((r = 0; r < ROUNDS; r++)); do
+    idx=($(order $r))
+    list=$(for i in "${idx[@]}"; do printf '%s,' "${socks[$i]}"; done)
+    log "unary round $((r + 1))/$ROUNDS: $CALLS calls per target"
+    c0=(); for i in "${idx[@]}"; do c0[i]=$(cpu_ticks "${procs[$i]}"); done
+    out=$("$client" unary --sockets "${list%,}" --calls "$CALLS" --warmup "$WARMUP")
+    for i in "${idx[@]}"; do
+        if [[ -n ${procs[$i]} ]]; then
+            echo "unary_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0[i])) \
+                -v hz="$hz" -v n=$((CALLS + WARMUP)) 'BEGIN {print t / hz * 1e6 / n}')" >>"$res"
+        fi
+        line=$(grep -F "socket=${socks[$i]} " <<<"$out")
+        for p in p50 p90 p99; do
+            echo "unary_$p $r ${names[$i]} $(kv ${p}_us <<<"$line")" >>"$res"
+        done
+    done
+done
+
+# --- streaming -------------------------------------------------------------
+bytes=$((SIZE_MB << 20))
+log "creating the ${SIZE_MB} MiB blob to read"
+digest=$("$client" write --socket "$cd_sock" --ns $NS --size $bytes | kv digest)
+"$client" read --socket "$cd_sock" --ns $NS --digest "$digest" >/dev/null # page cache
+
+stream_test() { # name, GiB moved per run, then client args after --socket S
+    local test=$1 gib=$2 r i v c0 out
+    shift 2
+    for ((r = 0; r < ROUNDS; r++)); do
+        for i in $(order $r); do
+            c0=$(cpu_ticks "${procs[$i]}")
+            out=$("$client" "$1" --socket "${socks[$i]}" "${@:2}")
+            v=$(kv mbps <<<"$out")
+            log "$test round $((r + 1))/$ROUNDS ${names[$i]}: $v MB/s"
+            echo "$test $r ${names[$i]} $v" >>"$res"
+            if [[ -n ${procs[$i]} ]]; then
+                echo "${test}_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0)) \
+                    -v hz="$hz" -v g="$gib" 'BEGIN {print t / hz * 1000 / g}')" >>"$res"
+            fi
+        done
+    done
+}
+gib=$(awk -v m="$SIZE_MB" 'BEGIN {print m / 1024}')
+stream_test write "$gib" write --ns $NS --size $bytes --delete
+stream_test read "$gib" read --ns $NS --digest "$digest" --concurrency 1
+stream_test readN "$(awk -v g="$gib" -v n="$READERS" 'BEGIN {print g * n}')" \
+    read --ns $NS --digest "$digest" --concurrency "$READERS"
+
+hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+rss_ib=$(hwm_kib $ib_pid)
+rss_floor=$(hwm_kib $floor_pid)
+rss_base=
+if [[ -n ${base_pid:-} ]]; then rss_base=$(hwm_kib "$base_pid"); fi
+
+# --- report ----------------------------------------------------------------
+median() { sort -g | awk '{a[NR] = $1} END {if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+val() { awk -v t="$1" -v g="$2" '$1 == t && $3 == g {print $4}' "$res" | median; }
+# per-round f(target value, reference value), then the median
+paired() { # test target ref mode(ratio|overhead)
+    awk -v t="$1" -v g="$2" -v ref="$3" -v m="$4" -v d=direct '
+        $1 == t {v[$2, $3] = $4; rounds[$2] = 1}
+        END {
+            for (r in rounds) {
+                if (m == "ratio") { if (v[r, ref] != 0) print v[r, g] / v[r, ref] }
+                else if (v[r, ref] != v[r, d]) print (v[r, g] - v[r, d]) / (v[r, ref] - v[r, d])
+            }
+        }' "$res" | median
+}
+overhead() { awk -v t="$1" -v g="$2" '$1 == t {v[$2, $3] = $4; rounds[$2] = 1}
+    END {for (r in rounds) print v[r, g] - v[r, "direct"]}' "$res" | median; }
+
+echo
+echo "imgbridge benchmark: $ROUNDS round(s), $CALLS unary calls per target, ${SIZE_MB} MiB streams, $READERS readers"
+echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'), $(nproc) CPUs, $(date -u +%FT%TZ)"
+cols=("${names[@]}")
+printf '%-22s' metric; printf '%11s' "${cols[@]}"; printf '%12s%12s  %s\n' "ib/floor" "ib/direct" target
+row() { # label test ratio-kind target-text
+    local label=$1 test=$2 kind=$3 goal=$4 g
+    printf '%-22s' "$label"
+    for g in "${cols[@]}"; do printf '%11.1f' "$(val "$test" "$g")"; done
+    case $kind in
+        lat) printf '%12s%12s' "$(printf '%.2f' "$(paired "$test" imgbridge floor overhead)")" \
+            "$(printf '%.2f' "$(paired "$test" imgbridge direct ratio)")" ;;
+        tput) printf '%12s%12s' "$(printf '%.3f' "$(paired "$test" imgbridge floor ratio)")" \
+            "$(printf '%.3f' "$(paired "$test" imgbridge direct ratio)")" ;;
+    esac
+    printf '  %s\n' "$goal"
+}
+row "unary p50 (us)" unary_p50 lat "overhead ratio <= 1.2"
+row "unary p90 (us)" unary_p90 lat ""
+row "unary p99 (us)" unary_p99 lat ""
+printf '%-22s%11s' "unary p50 overhead" "-"
+for g in "${cols[@]:1}"; do printf '%+11.1f' "$(overhead unary_p50 "$g")"; done
+echo "  (us over direct, per-round median)"
+row "write MB/s" write tput ">= 0.95 of floor"
+row "read MB/s" read tput ">= 0.95 of floor"
+row "${READERS}x read MB/s" readN tput ">= 0.95 of floor"
+cpu_row() { # label test
+    local g
+    printf '%-22s%11s' "$1" "-"
+    for g in "${cols[@]:1}"; do printf '%11.1f' "$(val "$2" "$g")"; done
+    printf '%12s\n' "$(printf '%.2f' "$(paired "$2" imgbridge floor ratio)")"
+}
+echo "CPU time of the relaying process (user+sys, proxies only; less noisy than wall time):"
+cpu_row "  us per unary call" unary_cpu
+cpu_row "  ms per GiB write" write_cpu
+cpu_row "  ms per GiB read" read_cpu
+cpu_row "  ms per GiB ${READERS}x read" readN_cpu
+printf '%-22s%11s%11.1f%11.1f' "peak RSS (MiB)" "-" "$(awk -v k="$rss_floor" 'BEGIN{print k/1024}')" \
+    "$(awk -v k="$rss_ib" 'BEGIN{print k/1024}')"
+if [[ -n $rss_base ]]; then printf '%11.1f' "$(awk -v k="$rss_base" 'BEGIN{print k/1024}')"; fi
+printf '%24s  %s\n' "" "imgbridge <= 32 MiB"
+if [[ -n ${BENCH_BASELINE:-} ]]; then
+    echo "imgbridge vs baseline: unary p50 overhead $(printf '%.2f' "$(paired unary_p50 imgbridge baseline overhead)")x," \
+        "write $(printf '%.3f' "$(paired write imgbridge baseline ratio)")x," \
+        "read $(printf '%.3f' "$(paired read imgbridge baseline ratio)")x," \
+        "${READERS}x read $(printf '%.3f' "$(paired readN imgbridge baseline ratio)")x"
+fi
+if [[ -n ${BENCH_RAW:-} ]]; then
+    echo "raw results (test round target value):"
+    cat "$res"
+fi
