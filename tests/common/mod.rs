@@ -1813,6 +1813,110 @@ pub fn with_ns<T>(req: T, ns: &str) -> tonic::Request<T> {
     r
 }
 
+/// Images client on a containerd (or proxy) socket.
+pub async fn images_client(
+    sock: &Path,
+) -> containerd_client::services::v1::images_client::ImagesClient<Channel> {
+    containerd_client::services::v1::images_client::ImagesClient::new(
+        containerd_channel(sock).await,
+    )
+}
+
+/// Content client on a containerd (or proxy) socket.
+pub async fn content_client(
+    sock: &Path,
+) -> containerd_client::services::v1::content_client::ContentClient<Channel> {
+    containerd_client::services::v1::content_client::ContentClient::new(
+        containerd_channel(sock).await,
+    )
+}
+
+/// The image record `name` in `ns`, or `None` when it is absent (or the call fails).
+pub async fn get_image(
+    sock: &Path,
+    ns: &str,
+    name: &str,
+) -> Option<containerd_client::services::v1::Image> {
+    images_client(sock)
+        .await
+        .get(with_ns(
+            containerd_client::services::v1::GetImageRequest { name: name.into() },
+            ns,
+        ))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().image)
+}
+
+/// Content info of `digest` in `ns`, or `None` when it is absent (or the call fails).
+pub async fn content_info(
+    sock: &Path,
+    ns: &str,
+    digest: &str,
+) -> Option<containerd_client::services::v1::Info> {
+    content_client(sock)
+        .await
+        .info(with_ns(
+            containerd_client::services::v1::InfoRequest {
+                digest: digest.into(),
+            },
+            ns,
+        ))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().info)
+}
+
+/// An `Images/Create` request for `name` -> `target` in `ns`.
+pub fn create_image_req(
+    ns: &str,
+    name: &str,
+    target: &containerd_client::types::Descriptor,
+) -> tonic::Request<containerd_client::services::v1::CreateImageRequest> {
+    with_ns(
+        containerd_client::services::v1::CreateImageRequest {
+            image: Some(containerd_client::services::v1::Image {
+                name: name.into(),
+                target: Some(target.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ns,
+    )
+}
+
+/// Lower-case hex SHA-256 of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+/// `sha256:<hex>` digest of `data`.
+pub fn sha256_digest(data: &[u8]) -> String {
+    format!("sha256:{}", sha256_hex(data))
+}
+
+/// Ingests `file` as blob `digest` into `ns` with `ctr content ingest`
+/// (ingest ref `ingest-<12 hex>`, checking size and digest), panicking with
+/// ctr's stderr on failure.
+pub fn ctr_ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
+    let size = fs::metadata(file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .len();
+    let sh = format!(
+        "ctr -a {} -n {ns} content ingest --expected-size {size} --expected-digest {digest} ingest-{} < {}",
+        sock.display(),
+        &digest[7..19],
+        file.display()
+    );
+    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{sh}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
 /// CRI RuntimeService client (16 MiB max message).
 pub async fn cri_runtime_client(sock: &Path) -> RuntimeServiceClient<Channel> {
     RuntimeServiceClient::new(containerd_channel(sock).await)
