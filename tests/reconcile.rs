@@ -27,11 +27,7 @@ async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
         SRC,
         ["images", "import", img.docker_archive().to_str().unwrap()],
     );
-    let t = get_image(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let t = image_target(c.socket(), SRC, &img.normalized()).await;
     (img, t)
 }
 
@@ -108,11 +104,8 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
         "first pass must repair: {stdout}"
     );
     assert_eq!(
-        get_image(c.socket(), K8S, "docker.io/library/pre-tag:1")
+        image_target(c.socket(), K8S, "docker.io/library/pre-tag:1")
             .await
-            .unwrap()
-            .target
-            .unwrap()
             .digest,
         t.digest
     );

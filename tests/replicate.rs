@@ -82,24 +82,8 @@ fn gc_label(sock: &Path, ns: &str, parent: &str, children: &[(&str, &str)]) {
 
 /// Digests of an image's manifest, config and layers as stored in `ns`.
 fn stored_blobs(sock: &Path, ns: &str, manifest: &str) -> Vec<String> {
-    let out = Command::new("ctr")
-        .args([
-            "-a",
-            sock.to_str().unwrap(),
-            "-n",
-            ns,
-            "content",
-            "get",
-            manifest,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = ctr_ok(sock, ns, ["content", "get", manifest]);
+    let m: serde_json::Value = serde_json::from_str(&out).unwrap();
     let mut d = vec![
         manifest.to_string(),
         m["config"]["digest"].as_str().unwrap().to_string(),
@@ -213,11 +197,7 @@ async fn buildkit_sequence_update_notfound_create() {
     let img = TestImage::hello("bk:1");
     // Content in buildkit under another name, written directly (not replicated).
     import_via(c.socket(), SRC, &img.docker_archive());
-    let target = get_image(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
     let mut cl = images_client(p.socket()).await;
     let image = api::Image {
         name: "bk-export:1".into(),
@@ -250,11 +230,7 @@ async fn buildkit_sequence_update_notfound_create() {
     // buildkit re-exports: Update without mask now succeeds and stays in sync.
     let other = TestImage::hello("bk:2");
     import_via(c.socket(), SRC, &other.docker_archive());
-    let t2 = get_image(c.socket(), SRC, &other.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let t2 = image_target(c.socket(), SRC, &other.normalized()).await;
     let image = api::Image {
         name: "bk-export:1".into(),
         target: Some(t2.clone()),
@@ -289,6 +265,7 @@ async fn isolated_content_sharing_copies_bytes() {
     let c = Containerd::start(ContainerdOpts {
         cri: true,
         isolated: true,
+        ..Default::default()
     });
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("iso:1");
@@ -296,11 +273,8 @@ async fn isolated_content_sharing_copies_bytes() {
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
         .is_some());
-    let manifest = get_image(c.socket(), K8S, &img.normalized())
+    let manifest = image_target(c.socket(), K8S, &img.normalized())
         .await
-        .unwrap()
-        .target
-        .unwrap()
         .digest;
     for d in stored_blobs(c.socket(), SRC, &manifest) {
         let src = Command::new("ctr")
@@ -486,11 +460,7 @@ async fn delete_policies() {
     let c = Containerd::start(cri());
     let img = TestImage::hello("del:1");
     import_via(c.socket(), SRC, &img.docker_archive());
-    let target = get_image(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
     for (policy, name) in [
         ("unpin", "del-unpin:1"),
         ("delete", "del-delete:1"),
@@ -613,11 +583,8 @@ async fn replica_survives_gc_and_pod_still_runs() {
     ))
     .await
     .unwrap();
-    let manifest = get_image(c.socket(), K8S, &img.normalized())
+    let manifest = image_target(c.socket(), K8S, &img.normalized())
         .await
-        .unwrap()
-        .target
-        .unwrap()
         .digest;
     for d in stored_blobs(c.socket(), K8S, &manifest) {
         assert!(
@@ -635,11 +602,7 @@ async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("burst:1");
     import_via(p.socket(), SRC, &img.docker_archive());
-    let target = get_image(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
     let mut cl = images_client(p.socket()).await;
     let mut misses = Vec::new();
     for i in 0..200 {
@@ -681,16 +644,8 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
     let b = TestImage::hello("conv:b");
     import_via(c.socket(), SRC, &a.docker_archive());
     import_via(c.socket(), SRC, &b.docker_archive());
-    let ta = get_image(c.socket(), SRC, &a.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
-    let tb = get_image(c.socket(), SRC, &b.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let ta = image_target(c.socket(), SRC, &a.normalized()).await;
+    let tb = image_target(c.socket(), SRC, &b.normalized()).await;
     let sock = Arc::new(p.socket().to_path_buf());
     let mut tasks = Vec::new();
     for i in 0..100 {

@@ -906,12 +906,14 @@ where
 // ---------------------------------------------------------------------------
 
 /// Options for [`Containerd::start`].
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ContainerdOpts {
     /// Enable the CRI plugin (and import [`PAUSE_IMAGE`] into `k8s.io`).
     pub cri: bool,
     /// `content_sharing_policy = "isolated"` for the bolt metadata plugin.
     pub isolated: bool,
+    /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
+    pub registry_mirror: Option<String>,
 }
 
 /// A private containerd 1.6 on sockets in its own temp dir.
@@ -933,7 +935,7 @@ impl Containerd {
         let sock = d.join("containerd.sock");
         let ttrpc = d.join("containerd.sock.ttrpc");
         let config = d.join("config.toml");
-        fs::write(&config, containerd_config(d, opts)).expect("write containerd config");
+        fs::write(&config, containerd_config(d, &opts)).expect("write containerd config");
         let daemon = Self::spawn(&config, &sock, d);
         let mut c = Containerd {
             opts,
@@ -944,7 +946,7 @@ impl Containerd {
             dir,
         };
         c.wait_ready();
-        if opts.cri {
+        if c.opts.cri {
             let archive = pause_image().docker_archive();
             c.ctr_ok(
                 "k8s.io",
@@ -1054,7 +1056,7 @@ impl Containerd {
     }
 
     pub fn opts(&self) -> ContainerdOpts {
-        self.opts
+        self.opts.clone()
     }
 
     /// Pid of the running containerd. Panics if it is stopped.
@@ -1168,7 +1170,7 @@ impl Drop for Containerd {
     }
 }
 
-fn containerd_config(d: &Path, opts: ContainerdOpts) -> String {
+fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
     let p = |s: &str| d.join(s).display().to_string();
     let policy = if opts.isolated { "isolated" } else { "shared" };
     let mut cfg = format!(
@@ -1232,6 +1234,13 @@ state = "{state}"
             cni_bin = p("cni/bin"),
             cni_conf = p("cni/net.d"),
         ));
+        if let Some(mirror) = &opts.registry_mirror {
+            cfg.push_str(&format!(
+                r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
+      endpoint = ["http://{mirror}"]
+"#
+            ));
+        }
     }
     cfg
 }
@@ -1846,6 +1855,19 @@ pub async fn get_image(
         .await
         .ok()
         .and_then(|r| r.into_inner().image)
+}
+
+/// The target descriptor of image `name` in `ns`, panicking when it is absent.
+pub async fn image_target(
+    sock: &Path,
+    ns: &str,
+    name: &str,
+) -> containerd_client::types::Descriptor {
+    get_image(sock, ns, name)
+        .await
+        .unwrap_or_else(|| panic!("image {name} not found in {ns}"))
+        .target
+        .unwrap_or_else(|| panic!("image {name} in {ns} has no target"))
 }
 
 /// Content info of `digest` in `ns`, or `None` when it is absent (or the call fails).
