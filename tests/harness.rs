@@ -21,6 +21,7 @@ async fn cri_import_status_and_pod() {
     let cd = Containerd::start(ContainerdOpts {
         cri: true,
         isolated: false,
+        ..Default::default()
     });
     let started = t0.elapsed();
     let version = cd.ctr_ok("default", ["version"]);
@@ -135,6 +136,7 @@ async fn isolated_mode_is_reported() {
     let iso = Containerd::start(ContainerdOpts {
         cri: false,
         isolated: true,
+        ..Default::default()
     });
     assert_eq!(bolt_policy(iso.socket()).await, "isolated");
     let shared = Containerd::start(ContainerdOpts::default());
@@ -148,6 +150,7 @@ async fn kill9_and_restart() {
     let mut cd = Containerd::start(ContainerdOpts {
         cri: true,
         isolated: false,
+        ..Default::default()
     });
     let img = TestImage::hello("harness-d:v1");
     let archive = img.docker_archive();
@@ -196,6 +199,7 @@ async fn drop_kills_daemons_and_shims() {
         let mut cd = Containerd::start(ContainerdOpts {
             cri: true,
             isolated: false,
+            ..Default::default()
         });
         let cd_pid = cd.pid();
         let dir = cd.dir().to_path_buf();

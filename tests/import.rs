@@ -1,10 +1,12 @@
 //! Directory auto-import against a real containerd 1.6 (with CRI) and a
 //! loopback registry. Every wait is a poll with a deadline.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -21,19 +23,6 @@ use imgbridge::import::{self, Stats};
 
 mod harness {
     use super::*;
-    use std::os::unix::process::CommandExt;
-
-    /// Kill children when the thread that spawned them dies (test panics,
-    /// aborted runs), on top of the kill in `Drop`.
-    pub fn pdeathsig(cmd: &mut Command) -> &mut Command {
-        // SAFETY: prctl is async-signal-safe; nothing else runs in pre_exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            })
-        }
-    }
 
     pub fn run(cmd: &mut Command) -> String {
         let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
@@ -45,11 +34,11 @@ mod harness {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// A private containerd with CRI, on sockets in a temp dir.
+    /// A private containerd with CRI (the shared harness's), pulling from
+    /// the loopback registry over plain http.
     pub struct TestContainerd {
-        _dir: tempfile::TempDir,
+        inner: common::Containerd,
         pub sock: PathBuf,
-        child: Child,
     }
 
     impl TestContainerd {
@@ -61,56 +50,16 @@ mod harness {
                 )
                 .with_test_writer()
                 .try_init();
-            let reg = registry();
-            let dir = tempfile::Builder::new()
-                .prefix("imgbridge-import-ctd-")
-                .tempdir()
-                .unwrap();
-            let d = dir.path();
-            let sock = d.join("c.sock");
-            let cfg = format!(
-                r#"version = 2
-root = "{root}"
-state = "{state}"
-[grpc]
-  address = "{sock}"
-[ttrpc]
-  address = "{sock}.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."127.0.0.1:{port}"]
-    endpoint = ["http://127.0.0.1:{port}"]
-"#,
-                root = d.join("root").display(),
-                state = d.join("state").display(),
-                sock = sock.display(),
-                port = reg.port,
-            );
-            std::fs::write(d.join("config.toml"), cfg).unwrap();
-            let log = std::fs::File::create(d.join("containerd.log")).unwrap();
-            let child = pdeathsig(
-                Command::new("containerd")
-                    .arg("--config")
-                    .arg(d.join("config.toml"))
-                    .stdout(log.try_clone().unwrap())
-                    .stderr(log),
-            )
-            .spawn()
-            .expect("starting containerd");
-            let t = TestContainerd {
-                _dir: dir,
-                sock,
-                child,
-            };
-            let c = t.client();
-            poll("containerd and its CRI plugin up", 30, || {
-                let c = c.clone();
-                async move { c.cri_image_id("docker.io/library/none:x").await.is_ok() }
-            })
-            .await;
-            t
+            let inner = common::Containerd::start(common::ContainerdOpts {
+                cri: true,
+                registry_mirror: Some(registry().addr()),
+                ..Default::default()
+            });
+            // The harness seeds CRI's pause image; these tests expect
+            // `k8s.io` to start empty, as a node without it would.
+            inner.ctr_ok("k8s.io", ["images", "rm", common::PAUSE_IMAGE]);
+            let sock = inner.socket().to_path_buf();
+            TestContainerd { inner, sock }
         }
 
         pub fn client(&self) -> Containerd {
@@ -118,88 +67,14 @@ state = "{state}"
         }
 
         pub fn ctr(&self, args: &[&str]) -> String {
-            run(Command::new("ctr")
-                .arg("-a")
-                .arg(&self.sock)
-                .args(["-n", "k8s.io"])
-                .args(args))
+            self.inner.ctr_ok("k8s.io", args)
         }
     }
 
-    impl Drop for TestContainerd {
-        fn drop(&mut self) {
-            let _ = nix_kill(self.child.id());
-            let _ = self.child.wait();
-        }
-    }
-
-    pub fn nix_kill(pid: u32) -> std::io::Result<()> {
-        // SAFETY: plain kill(2) on a child we spawned.
-        let r = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    }
-
-    /// A loopback `docker-registry`, one per test process. Spawned from a
-    /// parked thread so PDEATHSIG fires only when the process ends.
-    pub struct Registry {
-        pub port: u16,
-    }
-
-    pub fn registry() -> &'static Registry {
-        static R: OnceLock<Registry> = OnceLock::new();
-        R.get_or_init(|| {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            // One data dir per test process; those of finished runs are removed.
-            let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("import-registry");
-            for e in std::fs::read_dir(&base).into_iter().flatten().flatten() {
-                let pid = e.file_name().to_string_lossy().into_owned();
-                if !Path::new("/proc").join(&pid).exists() {
-                    let _ = std::fs::remove_dir_all(e.path());
-                }
-            }
-            let dir = base.join(std::process::id().to_string());
-            std::fs::create_dir_all(&dir).unwrap();
-            let cfg = dir.join("config.yml");
-            std::fs::write(
-                &cfg,
-                format!(
-                    "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
-                    dir.join("data").display()
-                ),
-            )
-            .unwrap();
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::spawn(move || {
-                let mut child = pdeathsig(
-                    Command::new("docker-registry")
-                        .arg("serve")
-                        .arg(&cfg)
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null()),
-                )
-                .spawn()
-                .expect("starting docker-registry");
-                tx.send(child.id()).unwrap();
-                // This thread lives as long as the registry, so PDEATHSIG
-                // only fires when the test process goes away.
-                let _ = child.wait();
-            });
-            rx.recv().unwrap();
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-                assert!(Instant::now() < deadline, "registry did not start");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Registry { port }
-        })
+    /// The loopback `docker-registry` (the shared harness's), one per test process.
+    pub fn registry() -> &'static common::Registry {
+        static R: OnceLock<common::Registry> = OnceLock::new();
+        R.get_or_init(common::Registry::start)
     }
 
     /// Test images, built once and cached under the cargo target tmp dir.
@@ -286,7 +161,7 @@ state = "{state}"
 
     /// Pushes fixture `tag` to the loopback registry as `repo`.
     pub fn push(tag: &str, repo: &str) -> String {
-        let r = format!("127.0.0.1:{}/{repo}", registry().port);
+        let r = format!("{}/{repo}", registry().addr());
         run(Command::new("skopeo").args([
             "copy",
             "-q",
@@ -631,38 +506,24 @@ async fn serve_watch_dir_created_later_rename_in_and_remove() {
     )
     .unwrap();
     let listen = tmp.path().join("ib.sock");
-    let mut serve = harness::pdeathsig(
-        Command::new(env!("CARGO_BIN_EXE_imgbridge"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&cfg)
-            .arg("--listen")
-            .arg(&listen)
-            .arg("--upstream")
-            .arg(&ctd.sock)
-            .arg("--watch-dir")
-            .arg(&watch)
-            .stderr(std::fs::File::create(tmp.path().join("serve.log")).unwrap()),
-    )
-    .spawn()
-    .unwrap();
-    struct Kill(u32);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = harness::nix_kill(self.0);
-        }
-    }
-    let _guard = Kill(serve.id());
-    poll("imgbridge socket", 20, || async { listen.exists() }).await;
+    let mut serve = common::Imgbridge::start_at(
+        &listen,
+        &ctd.sock,
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--watch-dir",
+            watch.to_str().unwrap(),
+        ],
+    );
     std::fs::create_dir_all(&watch).unwrap();
     rename_in(&read("a.tar"), &watch, "a.tar");
     wait_usable_pinned(&c, A).await;
     std::fs::remove_file(watch.join("a.tar")).unwrap();
     wait_unpinned(&c, A).await;
     assert!(usable(&c, A).await, "unpinning never deletes");
-    let _ = harness::nix_kill(serve.id());
-    let _ = serve.wait();
-    let log = std::fs::read_to_string(tmp.path().join("serve.log")).unwrap();
+    serve.kill9();
+    let log = serve.log();
     assert!(log.contains("imported"), "{log}");
 }
 
@@ -770,8 +631,8 @@ async fn pull_list_retry_and_line_removal() {
     let c = ctd.client();
     let first = push("c", "lib/pull-first:1");
     let later = format!(
-        "127.0.0.1:{}/lib/pull-later-{}:1",
-        harness::registry().port,
+        "{}/lib/pull-later-{}:1",
+        harness::registry().addr(),
         std::process::id()
     );
     let tmp = tempfile::tempdir().unwrap();

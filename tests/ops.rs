@@ -5,6 +5,8 @@
 //! Each test starts its own containerd from a temporary directory (killed by
 //! pid on drop) and waits for it by polling with a deadline.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
@@ -13,7 +15,6 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use imgbridge::containerd::{request, Containerd};
-use sha2::{Digest, Sha256};
 
 const BIN: &str = env!("CARGO_BIN_EXE_imgbridge");
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -219,18 +220,10 @@ fn metrics_count_real_calls_through_the_proxy() {
     let blob: Vec<u8> = (0..1u32 << 20)
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
-    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&blob)));
-    let mut ingest = Command::new("ctr")
-        .arg("-a")
-        .arg(&c.sock)
-        .args(["content", "ingest", "--expected-size"])
-        .arg(blob.len().to_string())
-        .args(["--expected-digest", &digest, "test-blob"])
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    ingest.stdin.take().unwrap().write_all(&blob).unwrap();
-    assert!(ingest.wait().unwrap().success());
+    let digest = common::sha256_digest(&blob);
+    let blob_file = c.dir.path().join("test-blob");
+    std::fs::write(&blob_file, &blob).unwrap();
+    common::ctr_ingest(&c.sock, "default", &digest, &blob_file);
     let b0 = sample(&p.scrape(), BYTES);
     let got = ctr(&p.sock, &["content", "get", &digest]);
     assert!(

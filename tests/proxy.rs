@@ -17,13 +17,8 @@ use common::*;
 use containerd_client::services::v1 as api;
 use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
 use prost::Message;
-use sha2::Digest;
 
 const NS: &str = "dev";
-
-fn sha256_hex(data: &[u8]) -> String {
-    hex::encode(sha2::Sha256::digest(data))
-}
 
 fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -60,20 +55,9 @@ fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
     let mut data = vec![0u8; 64 << 20];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut data);
     std::fs::write(&blob, &data).unwrap();
-    let digest = format!("sha256:{}", sha256_hex(&data));
+    let digest = sha256_digest(&data);
     let rss_before = rss_kib(p.pid());
-    let sh = format!(
-        "ctr -a {} -n {NS} content ingest --expected-size {} --expected-digest {digest} ref-64 < {}",
-        p.socket().display(),
-        data.len(),
-        blob.display()
-    );
-    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ingest: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ctr_ingest(p.socket(), NS, &digest, &blob);
     let got = Command::new("ctr")
         .args([
             "-a",
@@ -92,7 +76,7 @@ fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
         String::from_utf8_lossy(&got.stderr)
     );
     assert_eq!(got.stdout.len(), data.len());
-    assert_eq!(format!("sha256:{}", sha256_hex(&got.stdout)), digest);
+    assert_eq!(sha256_digest(&got.stdout), digest);
     let grown = rss_kib(p.pid()).saturating_sub(rss_before);
     assert!(
         grown < 32 * 1024,
@@ -151,7 +135,7 @@ async fn events_subscription_sees_image_event() {
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
     let sub = subscribe_first(p.socket(), format!("namespace=={NS},topic~=\"^/images/\""));
-    let images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await);
+    let images = images_client(p.socket()).await;
     let mut n = 0;
     // containerd sends no headers until the first event, and the
     // subscription registers asynchronously: create until one is seen.
@@ -303,7 +287,7 @@ async fn unknown_service_and_errors_match_containerd() {
 
     let mut errs = Vec::new();
     for sock in [c.socket().to_path_buf(), p.socket().to_path_buf()] {
-        let mut images = api::images_client::ImagesClient::new(containerd_channel(&sock).await);
+        let mut images = images_client(&sock).await;
         let nf = images
             .get(with_ns(
                 api::GetImageRequest {
@@ -383,7 +367,8 @@ async fn large_metadata_and_large_messages_pass() {
         }),
         ..Default::default()
     };
-    let mut images = api::images_client::ImagesClient::new(containerd_channel(p.socket()).await)
+    let mut images = images_client(p.socket())
+        .await
         .max_decoding_message_size(MAX_MSG)
         .max_encoding_message_size(MAX_MSG);
     let r = images
@@ -559,22 +544,12 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
     let data: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
-    let digest = format!("sha256:{}", sha256_hex(&data));
+    let digest = sha256_digest(&data);
     let dir = tempdir("blob-");
     std::fs::write(dir.path().join("b"), &data).unwrap();
-    let sh = format!(
-        "ctr -a {} -n {NS} content ingest --expected-digest {digest} r < {}",
-        c.socket().display(),
-        dir.path().join("b").display()
-    );
-    assert!(Command::new("sh")
-        .arg("-c")
-        .arg(sh)
-        .status()
-        .unwrap()
-        .success());
+    ctr_ingest(c.socket(), NS, &digest, &dir.path().join("b"));
 
-    let mut content = api::content_client::ContentClient::new(containerd_channel(p.socket()).await);
+    let mut content = content_client(p.socket()).await;
     let mut read = content
         .read(with_ns(
             api::ReadContentRequest {
@@ -601,7 +576,7 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
     {
         got.extend_from_slice(&m.data);
     }
-    assert_eq!(format!("sha256:{}", sha256_hex(&got)), digest);
+    assert_eq!(sha256_digest(&got), digest);
     // The client stays responsive (it must answer the GOAWAY ping) while
     // the test thread waits for the exit.
     let (st, p) = tokio::task::spawn_blocking(move || {
@@ -620,7 +595,7 @@ async fn client_disconnect_cancels_upstream_call() {
     let p = Imgbridge::start(c.socket(), &[]);
     let reference = "cancel-me";
     let open = |sock: std::path::PathBuf| async move {
-        let mut content = api::content_client::ContentClient::new(containerd_channel(&sock).await);
+        let mut content = content_client(&sock).await;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tx.send(api::WriteContentRequest {
             action: api::WriteAction::Write as i32,
@@ -709,7 +684,7 @@ async fn interception_hook_runs_and_failing_hook_gives_clean_error() {
         hooks,
         stop.clone().cancelled_owned(),
     ));
-    let mut images = api::images_client::ImagesClient::new(containerd_channel(&sock).await);
+    let mut images = images_client(&sock).await;
     let mk = |name: &str| {
         with_ns(
             api::CreateImageRequest {

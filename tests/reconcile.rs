@@ -20,33 +20,6 @@ use prost::Message;
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";
 
-async fn images(sock: &Path) -> api::images_client::ImagesClient<tonic::transport::Channel> {
-    api::images_client::ImagesClient::new(containerd_channel(sock).await)
-}
-
-async fn get(sock: &Path, ns: &str, name: &str) -> Option<api::Image> {
-    images(sock)
-        .await
-        .get(with_ns(api::GetImageRequest { name: name.into() }, ns))
-        .await
-        .ok()
-        .and_then(|r| r.into_inner().image)
-}
-
-fn create(ns: &str, name: &str, target: &Descriptor) -> tonic::Request<api::CreateImageRequest> {
-    with_ns(
-        api::CreateImageRequest {
-            image: Some(api::Image {
-                name: name.into(),
-                target: Some(target.clone()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        ns,
-    )
-}
-
 /// A base image in `buildkit` (written directly) and its target descriptor.
 async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
     let img = TestImage::hello(name_tag);
@@ -54,17 +27,13 @@ async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
         SRC,
         ["images", "import", img.docker_archive().to_str().unwrap()],
     );
-    let t = get(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let t = image_target(c.socket(), SRC, &img.normalized()).await;
     (img, t)
 }
 
 /// Images of `buildkit` whose replica is missing or has another target.
 async fn unreplicated(sock: &Path) -> Vec<String> {
-    let Ok(src) = images(sock)
+    let Ok(src) = images_client(sock)
         .await
         .list(with_ns(api::ListImagesRequest::default(), SRC))
         .await
@@ -74,7 +43,7 @@ async fn unreplicated(sock: &Path) -> Vec<String> {
     let mut missing = Vec::new();
     for i in src.into_inner().images {
         let name = imgbridge::reference::normalize(&i.name).unwrap();
-        let r = get(sock, K8S, &name).await;
+        let r = get_image(sock, K8S, &name).await;
         if r.and_then(|r| r.target).map(|t| t.digest) != i.target.map(|t| t.digest) {
             missing.push(name);
         }
@@ -101,9 +70,9 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
         ..Default::default()
     });
     let (img, t) = seed(&c, "pre:1").await;
-    images(c.socket())
+    images_client(c.socket())
         .await
-        .create(create(SRC, "pre-tag:1", &t))
+        .create(create_image_req(SRC, "pre-tag:1", &t))
         .await
         .unwrap();
     // A stale replica (other digest) and a replica missing its label.
@@ -111,9 +80,9 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
         digest: format!("sha256:{}", "5".repeat(64)),
         ..t.clone()
     };
-    images(c.socket())
+    images_client(c.socket())
         .await
-        .create(create(K8S, "docker.io/library/pre-tag:1", &other))
+        .create(create_image_req(K8S, "docker.io/library/pre-tag:1", &other))
         .await
         .unwrap();
     let sync = |extra: &[&str]| {
@@ -135,11 +104,8 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
         "first pass must repair: {stdout}"
     );
     assert_eq!(
-        get(c.socket(), K8S, "docker.io/library/pre-tag:1")
+        image_target(c.socket(), K8S, "docker.io/library/pre-tag:1")
             .await
-            .unwrap()
-            .target
-            .unwrap()
             .digest,
         t.digest
     );
@@ -157,29 +123,16 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
     let dir = tempdir("bad-");
     let f = dir.path().join("m");
     std::fs::write(&f, b"garbage").unwrap();
-    let d = format!(
-        "sha256:{}",
-        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"garbage"))
-    );
-    let sh = format!(
-        "ctr -a {} -n {SRC} content ingest --expected-digest {d} bad < {}",
-        c.socket().display(),
-        f.display()
-    );
-    assert!(Command::new("sh")
-        .arg("-c")
-        .arg(sh)
-        .status()
-        .unwrap()
-        .success());
+    let d = sha256_digest(b"garbage");
+    ctr_ingest(c.socket(), SRC, &d, &f);
     let garbage = Descriptor {
         digest: d,
         size: 7,
         ..t.clone()
     };
-    images(c.socket())
+    images_client(c.socket())
         .await
-        .create(create(SRC, "garbage:1", &garbage))
+        .create(create_image_req(SRC, "garbage:1", &garbage))
         .await
         .unwrap();
     let out = sync(&[]);
@@ -203,9 +156,9 @@ async fn serve_start_pass_and_events_backstop_within_a_second() {
         .await
         .expect("start pass");
     // Direct write on containerd's own socket, bypassing imgbridge.
-    images(c.socket())
+    images_client(c.socket())
         .await
-        .create(create(SRC, "bypass:1", &t))
+        .create(create_image_req(SRC, "bypass:1", &t))
         .await
         .unwrap();
     let t0 = Instant::now();
@@ -229,9 +182,9 @@ async fn serve_start_pass_and_events_backstop_within_a_second() {
     })
     .await
     .expect("second pass after reconnect");
-    images(c.socket())
+    images_client(c.socket())
         .await
-        .create(create(SRC, "after-restart:1", &t))
+        .create(create_image_req(SRC, "after-restart:1", &t))
         .await
         .unwrap();
     let t0 = Instant::now();
@@ -259,9 +212,9 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
         } else {
             c.socket().to_path_buf()
         };
-        let _ = images(&via)
+        let _ = images_client(&via)
             .await
-            .create(create(SRC, &format!("f-{i}:1"), &t))
+            .create(create_image_req(SRC, &format!("f-{i}:1"), &t))
             .await;
         if i == 10 {
             c.kill9();
@@ -289,9 +242,9 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
     let sock = p.socket().to_path_buf();
     let writer = tokio::spawn(async move {
         for i in 0..40 {
-            let _ = images(&sock)
+            let _ = images_client(&sock)
                 .await
-                .create(create(SRC, &format!("k-{i}:1"), &t))
+                .create(create_image_req(SRC, &format!("k-{i}:1"), &t))
                 .await;
         }
     });
@@ -379,7 +332,7 @@ async fn fake_handle(
             containerd_client::types::transfer::ImageStore::decode(a.value.as_slice()).unwrap()
         };
         let (src, dst) = (store(&treq.source), store(&treq.destination));
-        let Some(from) = get(&real, &ns, &src.name).await else {
+        let Some(from) = get_image(&real, &ns, &src.name).await else {
             return grpc_reply(&[], 5, &format!("image \"{}\": not found", src.name));
         };
         let image = api::Image {
@@ -388,7 +341,7 @@ async fn fake_handle(
             labels: dst.labels,
             ..Default::default()
         };
-        let mut cl = images(&real).await;
+        let mut cl = images_client(&real).await;
         if cl
             .create(with_ns(
                 api::CreateImageRequest {

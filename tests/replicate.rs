@@ -25,32 +25,6 @@ fn cri() -> ContainerdOpts {
     }
 }
 
-async fn images(sock: &Path) -> api::images_client::ImagesClient<tonic::transport::Channel> {
-    api::images_client::ImagesClient::new(containerd_channel(sock).await)
-}
-
-async fn get(sock: &Path, ns: &str, name: &str) -> Option<api::Image> {
-    images(sock)
-        .await
-        .get(with_ns(api::GetImageRequest { name: name.into() }, ns))
-        .await
-        .ok()
-        .and_then(|r| r.into_inner().image)
-}
-
-async fn content_info(sock: &Path, ns: &str, digest: &str) -> Option<api::Info> {
-    api::content_client::ContentClient::new(containerd_channel(sock).await)
-        .info(with_ns(
-            api::InfoRequest {
-                digest: digest.into(),
-            },
-            ns,
-        ))
-        .await
-        .ok()
-        .and_then(|r| r.into_inner().info)
-}
-
 fn import_via(sock: &Path, ns: &str, archive: &Path) {
     ctr_ok(sock, ns, ["images", "import", archive.to_str().unwrap()]);
 }
@@ -96,22 +70,6 @@ fn blob_path(layout: &Path, digest: &str) -> PathBuf {
         .join(digest.trim_start_matches("sha256:"))
 }
 
-/// Ingests one blob into `ns` directly on containerd's socket.
-fn ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
-    let sh = format!(
-        "ctr -a {} -n {ns} content ingest --expected-digest {digest} ingest-{} < {}",
-        sock.display(),
-        &digest[7..19],
-        file.display()
-    );
-    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{sh}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Labels a manifest/index in `ns` with the gc.ref labels buildkit writes,
 /// so its children are kept alive there once they land.
 fn gc_label(sock: &Path, ns: &str, parent: &str, children: &[(&str, &str)]) {
@@ -124,24 +82,8 @@ fn gc_label(sock: &Path, ns: &str, parent: &str, children: &[(&str, &str)]) {
 
 /// Digests of an image's manifest, config and layers as stored in `ns`.
 fn stored_blobs(sock: &Path, ns: &str, manifest: &str) -> Vec<String> {
-    let out = Command::new("ctr")
-        .args([
-            "-a",
-            sock.to_str().unwrap(),
-            "-n",
-            ns,
-            "content",
-            "get",
-            manifest,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = ctr_ok(sock, ns, ["content", "get", manifest]);
+    let m: serde_json::Value = serde_json::from_str(&out).unwrap();
     let mut d = vec![
         manifest.to_string(),
         m["config"]["digest"].as_str().unwrap().to_string(),
@@ -154,20 +96,6 @@ fn stored_blobs(sock: &Path, ns: &str, manifest: &str) -> Vec<String> {
             .map(|l| l["digest"].as_str().unwrap().to_string()),
     );
     d
-}
-
-fn create_req(name: &str, target: Descriptor) -> tonic::Request<api::CreateImageRequest> {
-    with_ns(
-        api::CreateImageRequest {
-            image: Some(api::Image {
-                name: name.into(),
-                target: Some(target),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        SRC,
-    )
 }
 
 fn target_of(img: &api::Image) -> String {
@@ -185,7 +113,7 @@ async fn ctr_import_is_visible_to_cri_on_return_and_runs_as_pod() {
         .await
         .expect("CRI must resolve the image as soon as the import returns");
     assert_eq!(st.id, img.config_digest());
-    let replica = get(c.socket(), K8S, &img.normalized()).await.unwrap();
+    let replica = get_image(c.socket(), K8S, &img.normalized()).await.unwrap();
     assert_eq!(
         replica
             .labels
@@ -199,7 +127,7 @@ async fn ctr_import_is_visible_to_cri_on_return_and_runs_as_pod() {
     );
     let digest_ref = format!("docker.io/library/rywimport@{}", target_of(&replica));
     assert!(
-        get(c.socket(), K8S, &digest_ref).await.is_some(),
+        get_image(c.socket(), K8S, &digest_ref).await.is_some(),
         "digest ref record"
     );
     let pod = run_pod(
@@ -223,7 +151,7 @@ async fn pull_tag_label_rm_through_proxy() {
     let img = TestImage::hello("pulled:2");
     let pushed = img.push(&reg.addr());
     ctr_ok(p.socket(), SRC, ["images", "pull", "--plain-http", &pushed]);
-    let r = get(c.socket(), K8S, &pushed)
+    let r = get_image(c.socket(), K8S, &pushed)
         .await
         .expect("pulled image replicated");
     assert_eq!(
@@ -238,14 +166,14 @@ async fn pull_tag_label_rm_through_proxy() {
         "tag normalised to docker.io/library/app:dev"
     );
     ctr_ok(p.socket(), SRC, ["images", "label", "app:dev", "team=blue"]);
-    let r = get(c.socket(), K8S, "docker.io/library/app:dev")
+    let r = get_image(c.socket(), K8S, "docker.io/library/app:dev")
         .await
         .unwrap();
     assert_eq!(r.labels.get("team").map(String::as_str), Some("blue"));
 
     // delete_policy = unpin (default): replica stays, pin is gone.
     ctr_ok(p.socket(), SRC, ["images", "rm", "app:dev"]);
-    let r = get(c.socket(), K8S, "docker.io/library/app:dev")
+    let r = get_image(c.socket(), K8S, "docker.io/library/app:dev")
         .await
         .expect("replica kept");
     assert!(
@@ -269,12 +197,8 @@ async fn buildkit_sequence_update_notfound_create() {
     let img = TestImage::hello("bk:1");
     // Content in buildkit under another name, written directly (not replicated).
     import_via(c.socket(), SRC, &img.docker_archive());
-    let target = get(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
-    let mut cl = images(p.socket()).await;
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
+    let mut cl = images_client(p.socket()).await;
     let image = api::Image {
         name: "bk-export:1".into(),
         target: Some(target.clone()),
@@ -306,11 +230,7 @@ async fn buildkit_sequence_update_notfound_create() {
     // buildkit re-exports: Update without mask now succeeds and stays in sync.
     let other = TestImage::hello("bk:2");
     import_via(c.socket(), SRC, &other.docker_archive());
-    let t2 = get(c.socket(), SRC, &other.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let t2 = image_target(c.socket(), SRC, &other.normalized()).await;
     let image = api::Image {
         name: "bk-export:1".into(),
         target: Some(t2.clone()),
@@ -334,7 +254,7 @@ async fn buildkit_sequence_update_notfound_create() {
         other.config_digest(),
         "digest change must reach CRI before the reply"
     );
-    let r = get(c.socket(), K8S, "docker.io/library/bk-export:1")
+    let r = get_image(c.socket(), K8S, "docker.io/library/bk-export:1")
         .await
         .unwrap();
     assert_eq!(r.target.unwrap().digest, t2.digest);
@@ -345,6 +265,7 @@ async fn isolated_content_sharing_copies_bytes() {
     let c = Containerd::start(ContainerdOpts {
         cri: true,
         isolated: true,
+        ..Default::default()
     });
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("iso:1");
@@ -352,11 +273,8 @@ async fn isolated_content_sharing_copies_bytes() {
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
         .is_some());
-    let manifest = get(c.socket(), K8S, &img.normalized())
+    let manifest = image_target(c.socket(), K8S, &img.normalized())
         .await
-        .unwrap()
-        .target
-        .unwrap()
         .digest;
     for d in stored_blobs(c.socket(), SRC, &manifest) {
         let src = Command::new("ctr")
@@ -403,8 +321,8 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("lazy:1");
     let b = blobs(&img);
-    ingest(c.socket(), SRC, &b.config, &blob_path(&b.layout, &b.config));
-    ingest(
+    ctr_ingest(c.socket(), SRC, &b.config, &blob_path(&b.layout, &b.config));
+    ctr_ingest(
         c.socket(),
         SRC,
         &b.manifest.digest,
@@ -420,9 +338,9 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let refs: Vec<(&str, &str)> = refs.iter().map(|(k, d)| (k.as_str(), d.as_str())).collect();
     gc_label(c.socket(), SRC, &b.manifest.digest, &refs);
     let t = Instant::now();
-    images(p.socket())
+    images_client(p.socket())
         .await
-        .create(create_req("lazy:1", b.manifest.clone()))
+        .create(create_image_req(SRC, "lazy:1", &b.manifest))
         .await
         .unwrap();
     assert!(
@@ -437,7 +355,7 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
         assert!(content_info(c.socket(), K8S, &l.digest).await.is_none());
     }
     for l in &b.layers {
-        ingest(c.socket(), SRC, &l.digest, &blob_path(&b.layout, &l.digest));
+        ctr_ingest(c.socket(), SRC, &l.digest, &blob_path(&b.layout, &l.digest));
     }
     let appeared = Instant::now();
     let linked = poll_async(Duration::from_secs(5), || async {
@@ -480,7 +398,7 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         .map(|l| l.digest.clone())
         .chain([b.config.clone(), b.manifest.digest.clone()])
     {
-        ingest(c.socket(), SRC, &d, &blob_path(&b.layout, &d));
+        ctr_ingest(c.socket(), SRC, &d, &blob_path(&b.layout, &d));
     }
     let absent = format!("sha256:{}", "e".repeat(64));
     let index = json!({
@@ -501,16 +419,16 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         "sha256:{}",
         hex::encode(<sha2::Sha256 as sha2::Digest>::digest(index.as_bytes()))
     );
-    ingest(c.socket(), SRC, &idx_digest, &f);
+    ctr_ingest(c.socket(), SRC, &idx_digest, &f);
     let target = Descriptor {
         media_type: "application/vnd.oci.image.index.v1+json".into(),
         digest: idx_digest.clone(),
         size: index.len() as i64,
         ..Default::default()
     };
-    images(p.socket())
+    images_client(p.socket())
         .await
-        .create(create_req("multi:1", target))
+        .create(create_image_req(SRC, "multi:1", &target))
         .await
         .unwrap();
     let st = cri_image_status(c.socket(), "docker.io/library/multi:1")
@@ -542,11 +460,7 @@ async fn delete_policies() {
     let c = Containerd::start(cri());
     let img = TestImage::hello("del:1");
     import_via(c.socket(), SRC, &img.docker_archive());
-    let target = get(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
     for (policy, name) in [
         ("unpin", "del-unpin:1"),
         ("delete", "del-delete:1"),
@@ -554,10 +468,12 @@ async fn delete_policies() {
     ] {
         let cfg = write_config(&format!("pin = true\ndelete_policy = \"{policy}\"\n"));
         let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
-        let mut cl = images(p.socket()).await;
-        cl.create(create_req(name, target.clone())).await.unwrap();
+        let mut cl = images_client(p.socket()).await;
+        cl.create(create_image_req(SRC, name, &target))
+            .await
+            .unwrap();
         let full = format!("docker.io/library/{name}");
-        assert!(get(c.socket(), K8S, &full)
+        assert!(get_image(c.socket(), K8S, &full)
             .await
             .unwrap()
             .labels
@@ -571,9 +487,9 @@ async fn delete_policies() {
         ))
         .await
         .unwrap();
-        let after = get(c.socket(), K8S, &full).await;
+        let after = get_image(c.socket(), K8S, &full).await;
         let repo = name.split(':').next().unwrap();
-        let dref = get(
+        let dref = get_image(
             c.socket(),
             K8S,
             &format!("docker.io/library/{repo}@{}", target.digest),
@@ -603,25 +519,13 @@ async fn delete_policies() {
     )
     .unwrap();
     let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
-    let direct = |ns: &str, name: &str| {
-        with_ns(
-            api::CreateImageRequest {
-                image: Some(api::Image {
-                    name: name.into(),
-                    target: Some(target.clone()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            ns,
-        )
-    };
-    let mut cl = images(c.socket()).await;
+    let direct = |ns: &str, name: &str| create_image_req(ns, name, &target);
+    let mut cl = images_client(c.socket()).await;
     cl.create(direct(K8S, "docker.io/library/theirs:1"))
         .await
         .unwrap();
     cl.create(direct(SRC, "theirs:1")).await.unwrap();
-    images(p.socket())
+    images_client(p.socket())
         .await
         .delete(with_ns(
             api::DeleteImageRequest {
@@ -632,9 +536,9 @@ async fn delete_policies() {
         ))
         .await
         .unwrap();
-    assert!(get(c.socket(), SRC, "theirs:1").await.is_none());
+    assert!(get_image(c.socket(), SRC, "theirs:1").await.is_none());
     assert!(
-        get(c.socket(), K8S, "docker.io/library/theirs:1")
+        get_image(c.socket(), K8S, "docker.io/library/theirs:1")
             .await
             .is_some(),
         "foreign image untouched"
@@ -659,7 +563,7 @@ async fn replica_survives_gc_and_pod_still_runs() {
         }),
         ..Default::default()
     };
-    let mut cl = images(c.socket()).await;
+    let mut cl = images_client(c.socket()).await;
     cl.create(with_ns(
         api::CreateImageRequest {
             image: Some(dummy),
@@ -679,11 +583,8 @@ async fn replica_survives_gc_and_pod_still_runs() {
     ))
     .await
     .unwrap();
-    let manifest = get(c.socket(), K8S, &img.normalized())
+    let manifest = image_target(c.socket(), K8S, &img.normalized())
         .await
-        .unwrap()
-        .target
-        .unwrap()
         .digest;
     for d in stored_blobs(c.socket(), K8S, &manifest) {
         assert!(
@@ -701,16 +602,14 @@ async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("burst:1");
     import_via(p.socket(), SRC, &img.docker_archive());
-    let target = get(c.socket(), SRC, &img.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
-    let mut cl = images(p.socket()).await;
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
+    let mut cl = images_client(p.socket()).await;
     let mut misses = Vec::new();
     for i in 0..200 {
         let name = format!("burst-tag-{i}:v{i}");
-        cl.create(create_req(&name, target.clone())).await.unwrap();
+        cl.create(create_image_req(SRC, &name, &target))
+            .await
+            .unwrap();
         if cri_image_status(c.socket(), &format!("docker.io/library/{name}"))
             .await
             .is_none()
@@ -745,16 +644,8 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
     let b = TestImage::hello("conv:b");
     import_via(c.socket(), SRC, &a.docker_archive());
     import_via(c.socket(), SRC, &b.docker_archive());
-    let ta = get(c.socket(), SRC, &a.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
-    let tb = get(c.socket(), SRC, &b.normalized())
-        .await
-        .unwrap()
-        .target
-        .unwrap();
+    let ta = image_target(c.socket(), SRC, &a.normalized()).await;
+    let tb = image_target(c.socket(), SRC, &b.normalized()).await;
     let sock = Arc::new(p.socket().to_path_buf());
     let mut tasks = Vec::new();
     for i in 0..100 {
@@ -764,7 +655,7 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
         );
         tasks.push(tokio::spawn(async move {
             let name = format!("conv-{}:1", i % 50);
-            let mut cl = images(&sock).await;
+            let mut cl = images_client(&sock).await;
             let image = api::Image {
                 name: name.clone(),
                 target: Some(t),
@@ -772,7 +663,7 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
             };
             // Create, or (as ctr/buildkit do) Update when it exists.
             match cl
-                .create(create_req(&name, image.target.clone().unwrap()))
+                .create(create_image_req(SRC, &name, image.target.as_ref().unwrap()))
                 .await
             {
                 Ok(_) => {}
@@ -797,8 +688,8 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
     let mut diverged = Vec::new();
     for i in 0..50 {
         let name = format!("conv-{i}:1");
-        let src = target_of(&get(c.socket(), SRC, &name).await.unwrap());
-        let dst = get(c.socket(), K8S, &format!("docker.io/library/{name}"))
+        let src = target_of(&get_image(c.socket(), SRC, &name).await.unwrap());
+        let dst = get_image(c.socket(), K8S, &format!("docker.io/library/{name}"))
             .await
             .map(|i| target_of(&i));
         if dst.as_deref() != Some(src.as_str()) {
@@ -825,7 +716,7 @@ async fn on_failure_fail_and_warn() {
             b"this is not a manifest"
         ))
     );
-    ingest(c.socket(), SRC, &d, &f);
+    ctr_ingest(c.socket(), SRC, &d, &f);
     let target = Descriptor {
         media_type: "application/vnd.oci.image.manifest.v1+json".into(),
         digest: d.clone(),
@@ -833,9 +724,9 @@ async fn on_failure_fail_and_warn() {
         ..Default::default()
     };
     let p = Imgbridge::start(c.socket(), &[]);
-    let e = images(p.socket())
+    let e = images_client(p.socket())
         .await
-        .create(create_req("broken:1", target.clone()))
+        .create(create_image_req(SRC, "broken:1", &target))
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Internal);
@@ -847,14 +738,14 @@ async fn on_failure_fail_and_warn() {
         );
     }
     assert!(
-        get(c.socket(), SRC, "broken:1").await.is_some(),
+        get_image(c.socket(), SRC, "broken:1").await.is_some(),
         "source image stays"
     );
     let cfg = write_config("on_failure = \"warn\"\n");
     let w = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
-    images(w.socket())
+    images_client(w.socket())
         .await
-        .create(create_req("broken:2", target))
+        .create(create_image_req(SRC, "broken:2", &target))
         .await
         .expect("warn replies OK");
     assert!(

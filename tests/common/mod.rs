@@ -906,12 +906,14 @@ where
 // ---------------------------------------------------------------------------
 
 /// Options for [`Containerd::start`].
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ContainerdOpts {
     /// Enable the CRI plugin (and import [`PAUSE_IMAGE`] into `k8s.io`).
     pub cri: bool,
     /// `content_sharing_policy = "isolated"` for the bolt metadata plugin.
     pub isolated: bool,
+    /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
+    pub registry_mirror: Option<String>,
 }
 
 /// A private containerd 1.6 on sockets in its own temp dir.
@@ -933,7 +935,7 @@ impl Containerd {
         let sock = d.join("containerd.sock");
         let ttrpc = d.join("containerd.sock.ttrpc");
         let config = d.join("config.toml");
-        fs::write(&config, containerd_config(d, opts)).expect("write containerd config");
+        fs::write(&config, containerd_config(d, &opts)).expect("write containerd config");
         let daemon = Self::spawn(&config, &sock, d);
         let mut c = Containerd {
             opts,
@@ -944,7 +946,7 @@ impl Containerd {
             dir,
         };
         c.wait_ready();
-        if opts.cri {
+        if c.opts.cri {
             let archive = pause_image().docker_archive();
             c.ctr_ok(
                 "k8s.io",
@@ -1054,7 +1056,7 @@ impl Containerd {
     }
 
     pub fn opts(&self) -> ContainerdOpts {
-        self.opts
+        self.opts.clone()
     }
 
     /// Pid of the running containerd. Panics if it is stopped.
@@ -1168,7 +1170,7 @@ impl Drop for Containerd {
     }
 }
 
-fn containerd_config(d: &Path, opts: ContainerdOpts) -> String {
+fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
     let p = |s: &str| d.join(s).display().to_string();
     let policy = if opts.isolated { "isolated" } else { "shared" };
     let mut cfg = format!(
@@ -1232,6 +1234,13 @@ state = "{state}"
             cni_bin = p("cni/bin"),
             cni_conf = p("cni/net.d"),
         ));
+        if let Some(mirror) = &opts.registry_mirror {
+            cfg.push_str(&format!(
+                r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
+      endpoint = ["http://{mirror}"]
+"#
+            ));
+        }
     }
     cfg
 }
@@ -1813,6 +1822,123 @@ pub fn with_ns<T>(req: T, ns: &str) -> tonic::Request<T> {
     r
 }
 
+/// Images client on a containerd (or proxy) socket.
+pub async fn images_client(
+    sock: &Path,
+) -> containerd_client::services::v1::images_client::ImagesClient<Channel> {
+    containerd_client::services::v1::images_client::ImagesClient::new(
+        containerd_channel(sock).await,
+    )
+}
+
+/// Content client on a containerd (or proxy) socket.
+pub async fn content_client(
+    sock: &Path,
+) -> containerd_client::services::v1::content_client::ContentClient<Channel> {
+    containerd_client::services::v1::content_client::ContentClient::new(
+        containerd_channel(sock).await,
+    )
+}
+
+/// The image record `name` in `ns`, or `None` when it is absent (or the call fails).
+pub async fn get_image(
+    sock: &Path,
+    ns: &str,
+    name: &str,
+) -> Option<containerd_client::services::v1::Image> {
+    images_client(sock)
+        .await
+        .get(with_ns(
+            containerd_client::services::v1::GetImageRequest { name: name.into() },
+            ns,
+        ))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().image)
+}
+
+/// The target descriptor of image `name` in `ns`, panicking when it is absent.
+pub async fn image_target(
+    sock: &Path,
+    ns: &str,
+    name: &str,
+) -> containerd_client::types::Descriptor {
+    get_image(sock, ns, name)
+        .await
+        .unwrap_or_else(|| panic!("image {name} not found in {ns}"))
+        .target
+        .unwrap_or_else(|| panic!("image {name} in {ns} has no target"))
+}
+
+/// Content info of `digest` in `ns`, or `None` when it is absent (or the call fails).
+pub async fn content_info(
+    sock: &Path,
+    ns: &str,
+    digest: &str,
+) -> Option<containerd_client::services::v1::Info> {
+    content_client(sock)
+        .await
+        .info(with_ns(
+            containerd_client::services::v1::InfoRequest {
+                digest: digest.into(),
+            },
+            ns,
+        ))
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().info)
+}
+
+/// An `Images/Create` request for `name` -> `target` in `ns`.
+pub fn create_image_req(
+    ns: &str,
+    name: &str,
+    target: &containerd_client::types::Descriptor,
+) -> tonic::Request<containerd_client::services::v1::CreateImageRequest> {
+    with_ns(
+        containerd_client::services::v1::CreateImageRequest {
+            image: Some(containerd_client::services::v1::Image {
+                name: name.into(),
+                target: Some(target.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ns,
+    )
+}
+
+/// Lower-case hex SHA-256 of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+/// `sha256:<hex>` digest of `data`.
+pub fn sha256_digest(data: &[u8]) -> String {
+    format!("sha256:{}", sha256_hex(data))
+}
+
+/// Ingests `file` as blob `digest` into `ns` with `ctr content ingest`
+/// (ingest ref `ingest-<12 hex>`, checking size and digest), panicking with
+/// ctr's stderr on failure.
+pub fn ctr_ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
+    let size = fs::metadata(file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .len();
+    let sh = format!(
+        "ctr -a {} -n {ns} content ingest --expected-size {size} --expected-digest {digest} ingest-{} < {}",
+        sock.display(),
+        &digest[7..19],
+        file.display()
+    );
+    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{sh}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
 /// CRI RuntimeService client (16 MiB max message).
 pub async fn cri_runtime_client(sock: &Path) -> RuntimeServiceClient<Channel> {
     RuntimeServiceClient::new(containerd_channel(sock).await)
