@@ -21,6 +21,7 @@
 #                  a change against the previous build in the same run)
 #   BENCH_RUST_LOG=info (imgbridge's log filter) CONTAINERD=containerd
 # Quick run: BENCH_SIZE_MB=64 BENCH_CALLS=500 BENCH_ROUNDS=1 scripts/bench.sh
+# Everything (proxy, replication/reconcile, import): BENCH_ALL=1 scripts/bench.sh
 set -euo pipefail
 
 SIZE_MB=${BENCH_SIZE_MB:-1024}
@@ -244,4 +245,11 @@ fi
 if [[ -n ${BENCH_RAW:-} ]]; then
     echo "raw results (test round target value):"
     cat "$res"
+fi
+
+# The replication/reconcile and import benchmarks live in their own scripts
+# (they need CRI and large archives); BENCH_ALL=1 runs them after this one.
+if [[ -n ${BENCH_ALL:-} ]]; then
+    scripts/bench-replication.sh
+    scripts/bench-import.sh
 fi
