@@ -728,6 +728,7 @@ async fn on_failure_fail_and_warn() {
         .await
         .create(create_image_req(SRC, "broken:1", &target))
         .await
+        .map(|r| panic!("replication must fail: {r:?}\n{}", p.log_tail()))
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Internal);
     for part in ["broken:1", "k8s.io", "not a valid manifest", "kept"] {

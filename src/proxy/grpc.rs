@@ -73,6 +73,15 @@ pub fn frame(message: &[u8]) -> Bytes {
 /// Characters gRPC requires to be percent-encoded in `grpc-message`.
 const GRPC_MESSAGE: &AsciiSet = &CONTROLS.add(b'%').add(b'"').add(b'\'');
 
+/// A `grpc-message` value: percent-encoded as gRPC requires, printable ASCII.
+pub fn encode_message(message: &str) -> String {
+    utf8_percent_encode(message, GRPC_MESSAGE)
+        .to_string()
+        .chars()
+        .filter(|c| c.is_ascii() && !c.is_ascii_control())
+        .collect()
+}
+
 /// The `grpc-status` of a reply: from trailers when present, else from the
 /// headers (a Trailers-Only reply). `None` means the peer sent neither.
 pub fn status_code(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<i32> {
@@ -92,12 +101,7 @@ pub fn error_response(code: tonic::Code, message: &str) -> Response<ProxyBody> {
     let h = resp.headers_mut();
     h.insert("content-type", HeaderValue::from_static("application/grpc"));
     h.insert("grpc-status", HeaderValue::from(code as i32));
-    let encoded = utf8_percent_encode(message, GRPC_MESSAGE)
-        .to_string()
-        .chars()
-        .filter(|c| c.is_ascii() && !c.is_ascii_control())
-        .collect::<String>();
-    if let Ok(v) = HeaderValue::from_str(&encoded) {
+    if let Ok(v) = HeaderValue::from_str(&encode_message(message)) {
         h.insert("grpc-message", v);
     }
     resp

@@ -33,6 +33,12 @@ pub trait Interceptor: Send + Sync + 'static {
 
 /// Work attached to one held call.
 pub trait Hook: Send {
+    /// Whether [`Hook::before`] does anything. Only then is the request held
+    /// back from containerd until it has run.
+    fn wants_before(&self) -> bool {
+        false
+    }
+
     /// Runs on the request message before it is forwarded; an error answers
     /// the caller without contacting containerd.
     fn before<'a>(&'a mut self, _request: &'a Bytes) -> HookFuture<'a> {

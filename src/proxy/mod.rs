@@ -3,8 +3,15 @@
 //! Every call is relayed to containerd untouched and streamed both ways with
 //! end-to-end flow control. Only calls an [`Interceptor`] selects are held
 //! (they are unary and small); this module never decides which ones.
+//!
+//! Each client connection gets its own containerd connection. While
+//! containerd answers, the two are spliced frame by frame ([`splice`]). A
+//! client that connects while containerd is down is served by hyper's
+//! HTTP/2 server instead ([`Connection`]): it answers UNAVAILABLE naming the
+//! socket, and forwards calls again once containerd is back.
 
 pub mod body;
+pub mod frames;
 pub mod grpc;
 pub mod intercept;
 pub mod io;
@@ -12,6 +19,7 @@ pub mod listener;
 pub mod observe;
 pub mod raw;
 pub mod shards;
+pub mod splice;
 pub mod tuning;
 pub mod upstream;
 
@@ -29,6 +37,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use body::{replay, ProxyBody};
 pub use intercept::{CallInfo, Hook, Interceptor, NoIntercept};
@@ -86,6 +96,13 @@ pub async fn serve(
     config.tuning.server(&mut builder);
     let mut shards =
         shards::Shards::start(config.tuning.shard_count()).map_err(ProxyError::Threads)?;
+    let splice_ctx = Arc::new(splice::Ctx {
+        interceptor: interceptor.clone(),
+        observer: config.observer.clone(),
+        upstream: config.upstream.clone(),
+    });
+    let drain = CancellationToken::new();
+    let tracker = TaskTracker::new();
     tokio::pin!(shutdown);
     let mut accept_errors = 0u32;
     loop {
@@ -120,7 +137,8 @@ pub async fn serve(
             observer: config.observer.clone(),
         });
         let (builder, tuning, watcher) = (builder.clone(), config.tuning, graceful.watcher());
-        shards.spawn(async move {
+        let (ctx, drain, up_path) = (splice_ctx.clone(), drain.clone(), upstream_path.clone());
+        shards.spawn(tracker.track_future(async move {
             let stream = match UnixStream::from_std(stream) {
                 Ok(s) => s,
                 Err(e) => {
@@ -128,17 +146,36 @@ pub async fn serve(
                     return;
                 }
             };
+            // containerd answers: splice the two connections frame by frame.
+            if let Ok(up) = UnixStream::connect(&*up_path).await {
+                match splice::run(stream, up, ctx, drain).await {
+                    Err(e) if e.is_hangup() => {
+                        tracing::debug!(peer = %peer, error = %e, "connection ended")
+                    }
+                    Err(e) => tracing::warn!(peer = %peer, error = %e, "connection closed"),
+                    Ok(()) => {}
+                }
+                return;
+            }
+            // containerd is down: an HTTP/2 server answers UNAVAILABLE
+            // naming the socket, and forwards again once it is back.
             let svc = service_fn(move |req| conn.clone().handle(req));
             let io = TokioIo::new(tuning.server_io(stream));
             if let Err(e) = watcher.watch(builder.serve_connection(io, svc)).await {
                 // Clients routinely reset when they exit; not worth more than debug.
                 tracing::debug!(peer = %peer, error = %e, "client connection ended");
             }
-        });
+        }));
     }
     drop(listener);
     tracing::info!("shutting down: draining in-flight calls");
-    if tokio::time::timeout(config.drain_timeout, graceful.shutdown())
+    drain.cancel();
+    tracker.close();
+    let drained = async {
+        graceful.shutdown().await;
+        tracker.wait().await;
+    };
+    if tokio::time::timeout(config.drain_timeout, drained)
         .await
         .is_err()
     {

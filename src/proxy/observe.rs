@@ -51,6 +51,15 @@ impl CallGuard {
     }
 }
 
+impl CallGuard {
+    /// Records the call's `grpc-status` as soon as it is known.
+    pub fn set_status(&mut self, status: Option<i32>) {
+        if status.is_some() {
+            self.status = status;
+        }
+    }
+}
+
 impl Drop for CallGuard {
     fn drop(&mut self) {
         self.observer.call_finished(&self.method, self.status);

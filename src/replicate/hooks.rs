@@ -110,6 +110,10 @@ impl TransferHook {
 }
 
 impl Hook for TransferHook {
+    fn wants_before(&self) -> bool {
+        true
+    }
+
     fn before<'a>(&'a mut self, request: &'a Bytes) -> HookFuture<'a> {
         Box::pin(async move {
             let Ok(req) = TransferRequest::decode(request.clone()) else {

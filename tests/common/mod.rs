@@ -1197,6 +1197,15 @@ state = "{state}"
     path = "{opt}"
   [plugins."io.containerd.metadata.v1.bolt"]
     content_sharing_policy = "{policy}"
+  # Tests stand in for buildkit with `ctr content ingest`, which (unlike
+  # buildkit) leaves the blob unreferenced until the test labels it or names
+  # an image after it. containerd's defaults collect at once after any
+  # deletion (a lease released anywhere), which made that window a race.
+  # GC here runs only when asked for (Images.Delete sync, as the GC-safety
+  # test does).
+  [plugins."io.containerd.gc.v1.scheduler"]
+    deletion_threshold = 1000000
+    mutation_threshold = 1000000
 "#,
         root = p("root"),
         state = p("state"),

@@ -1,0 +1,271 @@
+//! HTTP/2 wire pieces the splice needs (RFC 9113 §4, §6; RFC 7541 §5, §6):
+//! frame headers, the few frames it writes itself, and a header-block
+//! encoder that never touches the peer's dynamic table.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// What every HTTP/2 connection starts with, client to server.
+pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub const HEADER_LEN: usize = 9;
+/// Largest frame payload the protocol allows (SETTINGS_MAX_FRAME_SIZE cap).
+pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
+/// Frames imgbridge writes itself stay at the size every peer must accept,
+/// so their size never depends on SETTINGS.
+pub const EMIT_PAYLOAD: usize = 16_384;
+
+pub const DATA: u8 = 0x0;
+pub const HEADERS: u8 = 0x1;
+pub const RST_STREAM: u8 = 0x3;
+pub const PUSH_PROMISE: u8 = 0x5;
+pub const GOAWAY: u8 = 0x7;
+pub const WINDOW_UPDATE: u8 = 0x8;
+pub const CONTINUATION: u8 = 0x9;
+
+pub const END_STREAM: u8 = 0x1;
+pub const END_HEADERS: u8 = 0x4;
+pub const PADDED: u8 = 0x8;
+pub const PRIORITY: u8 = 0x20;
+
+pub const NO_ERROR: u32 = 0x0;
+pub const REFUSED_STREAM: u32 = 0x7;
+pub const CANCEL: u32 = 0x8;
+
+/// A parsed 9-byte frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Head {
+    pub len: usize,
+    pub kind: u8,
+    pub flags: u8,
+    pub stream: u32,
+}
+
+impl Head {
+    pub fn parse(b: &[u8]) -> Head {
+        Head {
+            len: (b[0] as usize) << 16 | (b[1] as usize) << 8 | b[2] as usize,
+            kind: b[3],
+            flags: b[4],
+            stream: u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff,
+        }
+    }
+
+    pub fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// The frame's payload was shorter than its padding or priority fields say.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("padding or priority fields overrun the {0}-byte payload")]
+pub struct BadPadding(pub usize);
+
+/// The content of a DATA or HEADERS payload: without the pad length byte,
+/// the priority fields (HEADERS) and the padding.
+pub fn content(head: &Head, payload: &[u8]) -> Result<std::ops::Range<usize>, BadPadding> {
+    let mut start = 0;
+    let mut pad = 0;
+    if head.has(PADDED) {
+        pad = *payload.first().ok_or(BadPadding(payload.len()))? as usize;
+        start = 1;
+    }
+    if head.kind == HEADERS && head.has(PRIORITY) {
+        start += 5;
+    }
+    let end = payload
+        .len()
+        .checked_sub(pad)
+        .filter(|&e| e >= start)
+        .ok_or(BadPadding(payload.len()))?;
+    Ok(start..end)
+}
+
+fn put_head(out: &mut BytesMut, len: usize, kind: u8, flags: u8, stream: u32) {
+    out.put_uint(len as u64, 3);
+    out.put_u8(kind);
+    out.put_u8(flags);
+    out.put_u32(stream & 0x7fff_ffff);
+}
+
+/// WINDOW_UPDATE frames returning `n` bytes of credit (none when `n` is 0).
+pub fn window_update(stream: u32, mut n: u64) -> Option<Bytes> {
+    if n == 0 {
+        return None;
+    }
+    let mut out = BytesMut::new();
+    while n > 0 {
+        let step = n.min(0x7fff_ffff);
+        put_head(&mut out, 4, WINDOW_UPDATE, 0, stream);
+        out.put_u32(step as u32);
+        n -= step;
+    }
+    Some(out.freeze())
+}
+
+pub fn rst_stream(stream: u32, code: u32) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN + 4);
+    put_head(&mut out, 4, RST_STREAM, 0, stream);
+    out.put_u32(code);
+    out.freeze()
+}
+
+pub fn goaway(last_stream: u32, code: u32) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN + 8);
+    put_head(&mut out, 8, GOAWAY, 0, 0);
+    out.put_u32(last_stream & 0x7fff_ffff);
+    out.put_u32(code);
+    out.freeze()
+}
+
+/// A HEADERS frame plus as many CONTINUATION frames as `block` needs.
+pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) {
+    let mut chunks = block.chunks(EMIT_PAYLOAD).peekable();
+    let mut kind = HEADERS;
+    let mut flags = if end_stream { END_STREAM } else { 0 };
+    if chunks.peek().is_none() {
+        put_head(out, 0, kind, flags | END_HEADERS, stream);
+        return;
+    }
+    while let Some(chunk) = chunks.next() {
+        if chunks.peek().is_none() {
+            flags |= END_HEADERS;
+        }
+        put_head(out, chunk.len(), kind, flags, stream);
+        out.put_slice(chunk);
+        kind = CONTINUATION;
+        flags = 0;
+    }
+}
+
+/// DATA frames carrying `payload` (at least one frame, so END_STREAM fits).
+pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
+    let mut chunks = payload.chunks(EMIT_PAYLOAD).peekable();
+    if chunks.peek().is_none() {
+        put_head(
+            out,
+            0,
+            DATA,
+            if end_stream { END_STREAM } else { 0 },
+            stream,
+        );
+        return;
+    }
+    while let Some(chunk) = chunks.next() {
+        let last = chunks.peek().is_none();
+        let flags = if last && end_stream { END_STREAM } else { 0 };
+        put_head(out, chunk.len(), DATA, flags, stream);
+        out.put_slice(chunk);
+    }
+}
+
+/// HPACK integer with an `n`-bit prefix; `first` holds the pattern bits.
+fn put_int(out: &mut BytesMut, first: u8, n: u8, mut v: usize) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.put_u8(first | v as u8);
+        return;
+    }
+    out.put_u8(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.put_u8((v % 128) as u8 | 0x80);
+        v /= 128;
+    }
+    out.put_u8(v as u8);
+}
+
+fn put_str(out: &mut BytesMut, s: &[u8]) {
+    put_int(out, 0, 7, s.len());
+    out.put_slice(s);
+}
+
+/// Appends one header field to a block without using the dynamic table
+/// (RFC 7541 §6.2.2, "literal without indexing"), so blocks can be written
+/// in any order and the peer's decoder state never depends on imgbridge.
+/// `:status: 200`, on every gRPC reply, is the static-table index 8.
+pub fn encode_field(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    if name == b":status" && value == b"200" {
+        out.put_u8(0x88);
+        return;
+    }
+    out.put_u8(0);
+    put_str(out, name);
+    put_str(out, value);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(block: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        loona_hpack::Decoder::new().decode(block).unwrap()
+    }
+
+    #[test]
+    fn encoded_fields_decode_and_leave_the_table_empty() {
+        let mut b = BytesMut::new();
+        encode_field(&mut b, b":status", b"200");
+        encode_field(&mut b, b"grpc-message", &[b'x'; 300]);
+        encode_field(&mut b, b"content-type", b"application/grpc");
+        let mut d = loona_hpack::Decoder::new();
+        let got = d.decode(&b).unwrap();
+        assert_eq!(got[0], (b":status".to_vec(), b"200".to_vec()));
+        assert_eq!(got[1].1.len(), 300);
+        assert_eq!(got[2].0, b"content-type");
+        // Nothing was inserted: a block using dynamic index 62 must fail.
+        assert!(d.decode(&[0x80 | 62]).is_err());
+    }
+
+    #[test]
+    fn large_blocks_span_continuation_frames() {
+        let block = vec![7u8; EMIT_PAYLOAD * 2 + 5];
+        let mut out = BytesMut::new();
+        headers(3, &block, true, &mut out);
+        let h1 = Head::parse(&out[..9]);
+        assert_eq!(
+            (h1.kind, h1.len, h1.flags),
+            (HEADERS, EMIT_PAYLOAD, END_STREAM)
+        );
+        let h2 = Head::parse(&out[9 + EMIT_PAYLOAD..]);
+        assert_eq!((h2.kind, h2.flags, h2.stream), (CONTINUATION, 0, 3));
+        let h3 = Head::parse(&out[18 + 2 * EMIT_PAYLOAD..]);
+        assert_eq!((h3.kind, h3.len, h3.flags), (CONTINUATION, 5, END_HEADERS));
+        assert_eq!(out.len(), 27 + block.len());
+    }
+
+    #[test]
+    fn padding_and_priority_are_stripped() {
+        let head = Head {
+            len: 10,
+            kind: HEADERS,
+            flags: PADDED | PRIORITY,
+            stream: 1,
+        };
+        let payload = [2, 0, 0, 0, 0, 9, b'a', b'b', 0, 0];
+        assert_eq!(content(&head, &payload), Ok(6..8));
+        let bad = Head {
+            len: 2,
+            kind: DATA,
+            flags: PADDED,
+            stream: 1,
+        };
+        assert_eq!(content(&bad, &[5, 1]), Err(BadPadding(2)));
+        assert_eq!(content(&bad, &[]), Err(BadPadding(0)));
+    }
+
+    #[test]
+    fn control_frames() {
+        assert!(window_update(0, 0).is_none());
+        let w = window_update(0, (1 << 31) + 5).unwrap();
+        assert_eq!(w.len(), 26);
+        assert_eq!(Head::parse(&rst_stream(5, CANCEL)).kind, RST_STREAM);
+        let g = goaway(9, NO_ERROR);
+        assert_eq!(&g[9..13], &9u32.to_be_bytes());
+        let mut d = BytesMut::new();
+        data(1, &[], true, &mut d);
+        assert_eq!(Head::parse(&d).flags, END_STREAM);
+        assert_eq!(
+            decode(&[0x88]),
+            vec![(b":status".to_vec(), b"200".to_vec())]
+        );
+    }
+}

@@ -1,0 +1,1435 @@
+//! The data path: one client connection spliced to one containerd connection,
+//! frame by frame.
+//!
+//! The two peers speak HTTP/2 to each other through the splice. SETTINGS,
+//! PING, GOAWAY and flow control pass end to end untouched, and DATA goes out
+//! straight from the read buffer, so a call costs about what a byte relay
+//! costs (a full HTTP/2 server plus client per hop cost +80 µs a call, and a
+//! quarter of read throughput: see README, Performance). The splice reads
+//! frame headers and HPACK-decodes header blocks to learn each call's method,
+//! namespace and status; it rewrites only two things:
+//! - containerd's header blocks are re-encoded without the dynamic table
+//!   ([`frames::encode_field`]), so a held reply can be released after later
+//!   ones without corrupting the client's HPACK state;
+//! - frames of intercepted calls are held (see [`super::intercept`]), and
+//!   flow-control credit taken by frames that are dropped is given back.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
+use futures_util::stream::{FuturesUnordered, Stream};
+use loona_hpack::Decoder;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::UnixStream;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::frames::{self, Head, HEADER_LEN};
+use super::grpc;
+use super::intercept::{CallInfo, Hook, Interceptor};
+use super::observe::{CallGuard, CallObserver};
+
+/// Read buffer per direction; as large as the floor relay's.
+const BUF: usize = 256 << 10;
+/// Largest header block (metadata), as containerd accepts.
+const MAX_BLOCK: usize = 16 << 20;
+/// Largest HPACK dynamic table a peer may make us mirror.
+const MAX_TABLE: usize = 1 << 20;
+/// Largest held (intercepted) request or response body.
+const HELD_LIMIT: usize = grpc::MAX_MESSAGE + grpc::PREFIX_LEN;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Containerd,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Client => "the client",
+            Side::Containerd => "containerd",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpliceError {
+    #[error("the client did not open with the HTTP/2 preface; only gRPC (h2c) clients are served")]
+    Preface,
+    #[error("{0} sent a malformed frame: {1}")]
+    Malformed(Side, String),
+    #[error("{0} sent a header block that does not decode (HPACK): {1}")]
+    Hpack(Side, String),
+    #[error("{0} sent a header block over {MAX_BLOCK} bytes")]
+    BlockTooLarge(Side),
+    #[error("containerd sent PUSH_PROMISE, which gRPC never uses")]
+    Push,
+    #[error("reading from {0}: {1}")]
+    Read(Side, #[source] io::Error),
+    #[error("writing to {0}: {1}")]
+    Write(Side, #[source] io::Error),
+}
+
+impl SpliceError {
+    /// Resets and broken pipes are how peers hang up; everything else is news.
+    pub fn is_hangup(&self) -> bool {
+        matches!(self, SpliceError::Read(_, e) | SpliceError::Write(_, e)
+            if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::ConnectionAborted | io::ErrorKind::NotConnected))
+    }
+}
+
+/// What every connection's splice shares.
+pub struct Ctx {
+    pub interceptor: Arc<dyn Interceptor>,
+    pub observer: Option<Arc<dyn CallObserver>>,
+    /// containerd's socket, named in errors.
+    pub upstream: std::path::PathBuf,
+}
+
+/// Relays until both peers are done, a peer breaks the protocol, or `drain`
+/// fires and the calls in flight have finished (new ones are refused).
+pub async fn run(
+    client: UnixStream,
+    upstream: UnixStream,
+    ctx: Arc<Ctx>,
+    drain: CancellationToken,
+) -> Result<(), SpliceError> {
+    let mut s = Splice {
+        client,
+        upstream,
+        up: Pump::new(Side::Client),
+        down: Pump::new(Side::Containerd),
+        st: State::new(ctx),
+        drain: Some(Box::pin(drain.cancelled_owned())),
+        grace: None,
+    };
+    std::future::poll_fn(|cx| s.poll(cx)).await
+}
+
+struct Splice {
+    client: UnixStream,
+    upstream: UnixStream,
+    /// Client to containerd.
+    up: Pump,
+    /// containerd to client.
+    down: Pump,
+    st: State,
+    drain: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    /// Runs once containerd is lost: how long the client gets to hang up.
+    grace: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// After containerd went away: how long a client that received GOAWAY may
+/// keep the connection before it is closed.
+const LOST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Splice {
+    /// containerd closed the connection or broke it. Calls in flight are
+    /// answered UNAVAILABLE naming the socket, and GOAWAY sends the client to
+    /// a new connection, like containerd's own restart would, but with a
+    /// reason. `Err` when that is not possible (a frame was cut in half).
+    fn lose(&mut self, why: &dyn fmt::Display) -> Result<(), SpliceError> {
+        if self.st.lost {
+            return Ok(());
+        }
+        if self.down.skip > 0 || self.down.block.is_some() {
+            return Err(SpliceError::Read(
+                Side::Containerd,
+                io::Error::new(io::ErrorKind::UnexpectedEof, why.to_string()),
+            ));
+        }
+        tracing::info!(upstream = %self.st.ctx.upstream.display(), reason = %why, "containerd connection lost; answering UNAVAILABLE and sending the client away");
+        self.st.lost = true;
+        self.down.eof = true;
+        self.down.scan = self.down.end;
+        let msg = format!(
+            "imgbridge: containerd at {} closed the connection",
+            self.st.ctx.upstream.display()
+        );
+        let waiting: Vec<u32> = (self.st.calls.iter())
+            .filter(|(_, c)| !c.refused && !c.held.as_ref().is_some_and(|h| h.response_done))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in waiting {
+            if let Some(mut call) = self.st.calls.remove(&id) {
+                if let Some(g) = call.guard.as_mut() {
+                    g.set_status(Some(tonic::Code::Unavailable as i32));
+                }
+                self.down
+                    .inject
+                    .push_back(error_reply(id, tonic::Code::Unavailable, &msg));
+            }
+        }
+        // The first step of a graceful GOAWAY (RFC 9113 §6.8): no new calls
+        // here, but calls already on their way are still answered.
+        (self.down.inject).push_back(frames::goaway(0x7fff_ffff, frames::NO_ERROR));
+        self.grace = Some(Box::pin(tokio::time::sleep(LOST_GRACE)));
+        Ok(())
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
+        if let Some(d) = self.drain.as_mut() {
+            if d.as_mut().poll(cx).is_ready() {
+                self.drain = None;
+                // Calls up to here finish; later ones are refused (see `open`).
+                self.st.goaway = Some(self.st.last_stream);
+                (self.down.inject).push_back(frames::goaway(self.st.last_stream, frames::NO_ERROR));
+            }
+        }
+        loop {
+            while let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) {
+                self.st
+                    .outcome(outcome, &mut self.up.inject, &mut self.down.inject);
+            }
+            let up_done = match (self.up).poll(
+                cx,
+                &mut self.client,
+                &mut self.upstream,
+                &mut self.down.inject,
+                &mut self.st,
+            ) {
+                Err(SpliceError::Write(Side::Containerd, e)) => {
+                    self.lose(&e)?;
+                    continue;
+                }
+                r => r?,
+            };
+            let queued_up = self.up.inject.len();
+            let down_done = match (self.down).poll(
+                cx,
+                &mut self.upstream,
+                &mut self.client,
+                &mut self.up.inject,
+                &mut self.st,
+            ) {
+                Err(SpliceError::Read(Side::Containerd, e)) => {
+                    self.lose(&e)?;
+                    continue;
+                }
+                r => r?,
+            };
+            if self.st.lost {
+                // The client hung up, or had its time to.
+                let grace_over = self
+                    .grace
+                    .as_mut()
+                    .is_some_and(|g| g.as_mut().poll(cx).is_ready());
+                if up_done || (grace_over && !self.st.awaiting_hooks()) {
+                    return Poll::Ready(Ok(()));
+                }
+            } else if up_done && down_done {
+                return Poll::Ready(Ok(()));
+            }
+            if self.st.goaway.is_some()
+                && self.st.calls.values().all(|c| c.refused)
+                && self.up.idle()
+                && self.down.idle()
+            {
+                return Poll::Ready(Ok(()));
+            }
+            // Go round again only for work queued after its pump was polled.
+            let again =
+                self.up.inject.len() > queued_up || std::mem::take(&mut self.st.hooks_added);
+            if !again {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// One direction: reads frames from one peer and writes them to the other.
+struct Pump {
+    from: Side,
+    buf: Vec<u8>,
+    /// `buf[..scan]` is classified (written, or queued in `segs`).
+    scan: usize,
+    /// `buf[scan..end]` has been read but not classified.
+    end: usize,
+    /// Payload bytes of a passed-through frame that are still to come.
+    skip: usize,
+    /// Bytes a whole frame needs from `scan` before it can be classified.
+    want: usize,
+    /// Output in order, written with one vectored write.
+    segs: VecDeque<Seg>,
+    /// Frames from elsewhere (the other direction, hook results), written at
+    /// the next frame boundary.
+    inject: VecDeque<Bytes>,
+    /// A header block that spans CONTINUATION frames.
+    block: Option<Block>,
+    preface: bool,
+    eof: bool,
+    done: bool,
+}
+
+enum Seg {
+    Buf(usize, usize),
+    Own(Bytes),
+}
+
+struct Block {
+    stream: u32,
+    end_stream: bool,
+    bytes: Vec<u8>,
+}
+
+impl Pump {
+    fn new(from: Side) -> Pump {
+        Pump {
+            from,
+            buf: vec![0; BUF],
+            scan: 0,
+            end: 0,
+            skip: 0,
+            want: HEADER_LEN,
+            segs: VecDeque::new(),
+            inject: VecDeque::new(),
+            block: None,
+            preface: from == Side::Client,
+            eof: false,
+            done: false,
+        }
+    }
+
+    fn to(&self) -> Side {
+        match self.from {
+            Side::Client => Side::Containerd,
+            Side::Containerd => Side::Client,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.segs.is_empty() && self.inject.is_empty() && self.skip == 0 && self.block.is_none()
+    }
+
+    fn push_buf(&mut self, from: usize, to: usize) {
+        if let Some(Seg::Buf(_, end)) = self.segs.back_mut() {
+            if *end == from {
+                *end = to;
+                return;
+            }
+        }
+        self.segs.push_back(Seg::Buf(from, to));
+    }
+
+    /// Moves the bytes read so far forward: DATA of ordinary calls as is, the
+    /// rest through [`State::frame`].
+    fn classify(&mut self, other: &mut VecDeque<Bytes>, st: &mut State) -> Result<(), SpliceError> {
+        if self.preface {
+            if self.end - self.scan < frames::PREFACE.len() {
+                self.want = frames::PREFACE.len();
+                return Ok(());
+            }
+            if &self.buf[self.scan..self.scan + frames::PREFACE.len()] != frames::PREFACE {
+                return Err(SpliceError::Preface);
+            }
+            self.push_buf(self.scan, self.scan + frames::PREFACE.len());
+            self.scan += frames::PREFACE.len();
+            self.preface = false;
+        }
+        let mut emit = VecDeque::new();
+        loop {
+            if self.skip > 0 {
+                let n = self.skip.min(self.end - self.scan);
+                if n == 0 {
+                    self.want = 1;
+                    return Ok(());
+                }
+                self.push_buf(self.scan, self.scan + n);
+                self.scan += n;
+                self.skip -= n;
+                continue;
+            }
+            if self.block.is_none() {
+                while let Some(b) = self.inject.pop_front() {
+                    self.segs.push_back(Seg::Own(b));
+                }
+            }
+            let avail = self.end - self.scan;
+            if avail < HEADER_LEN {
+                self.want = HEADER_LEN;
+                return Ok(());
+            }
+            let head = Head::parse(&self.buf[self.scan..]);
+            if self.block.is_some() && head.kind != frames::CONTINUATION {
+                return Err(SpliceError::Malformed(
+                    self.from,
+                    format!("frame type {} inside a header block", head.kind),
+                ));
+            }
+            if !st.whole(self.from, &head) {
+                if self.from == Side::Containerd && head.kind == frames::DATA {
+                    st.relayed(&head);
+                }
+                self.push_buf(self.scan, self.scan + HEADER_LEN);
+                self.scan += HEADER_LEN;
+                self.skip = head.len;
+                continue;
+            }
+            let total = HEADER_LEN + head.len;
+            if avail < total {
+                self.want = total;
+                return Ok(());
+            }
+            let frame = &self.buf[self.scan..self.scan + total];
+            let verdict = match self.from {
+                Side::Client => {
+                    st.frame(self.from, &head, frame, &mut self.block, &mut emit, other)
+                }
+                Side::Containerd => {
+                    st.frame(self.from, &head, frame, &mut self.block, other, &mut emit)
+                }
+            }?;
+            if verdict == Verdict::Forward {
+                self.push_buf(self.scan, self.scan + total);
+            }
+            self.segs.extend(emit.drain(..).map(Seg::Own));
+            self.scan += total;
+        }
+    }
+
+    fn flush(&mut self, cx: &mut Context<'_>, dst: &mut UnixStream) -> Poll<io::Result<()>> {
+        while !self.segs.is_empty() {
+            let mut iov = [IoSlice::new(&[]); 64];
+            let mut k = 0;
+            for s in self.segs.iter().take(iov.len()) {
+                iov[k] = IoSlice::new(match s {
+                    Seg::Buf(a, b) => &self.buf[*a..*b],
+                    Seg::Own(b) => b,
+                });
+                k += 1;
+            }
+            let mut n = ready!(Pin::new(&mut *dst).poll_write_vectored(cx, &iov[..k]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            while n > 0 {
+                let Some(front) = self.segs.front_mut() else {
+                    break;
+                };
+                let len = match front {
+                    Seg::Buf(a, b) => *b - *a,
+                    Seg::Own(b) => b.len(),
+                };
+                if n >= len {
+                    self.segs.pop_front();
+                    n -= len;
+                } else {
+                    match front {
+                        Seg::Buf(a, _) => *a += n,
+                        Seg::Own(b) => {
+                            let _ = b.split_to(n);
+                        }
+                    }
+                    n = 0;
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Room to read at `end`, and for a whole frame from `scan`. Only called
+    /// with nothing queued in `segs`, so no range points into `buf`.
+    fn make_room(&mut self) {
+        if self.scan == self.end {
+            self.scan = 0;
+            self.end = 0;
+        }
+        let need = self.want.max(1);
+        if self.end == self.buf.len() || self.buf.len() - self.scan < need {
+            self.buf.copy_within(self.scan..self.end, 0);
+            self.end -= self.scan;
+            self.scan = 0;
+            if self.buf.len() < need {
+                self.buf.resize(need, 0);
+            }
+        }
+        if self.buf.len() > BUF && self.end <= BUF && need <= BUF {
+            // A big header block or held frame has passed: give it back.
+            self.buf.truncate(BUF);
+            self.buf.shrink_to_fit();
+        }
+    }
+
+    /// Runs this direction as far as it can; `Ok(true)` once it is finished
+    /// (the reader hung up and everything was written).
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        src: &mut UnixStream,
+        dst: &mut UnixStream,
+        other: &mut VecDeque<Bytes>,
+        st: &mut State,
+    ) -> Result<bool, SpliceError> {
+        if self.done {
+            return Ok(true);
+        }
+        loop {
+            if !self.eof {
+                self.classify(other, st)?;
+            } else if self.skip == 0 && self.block.is_none() {
+                self.segs.extend(self.inject.drain(..).map(Seg::Own));
+            }
+            if st.lost && self.from == Side::Client {
+                // containerd is gone: the client's frames go nowhere.
+                self.segs.clear();
+                self.inject.clear();
+            }
+            if !self.segs.is_empty() {
+                match self.flush(cx, dst) {
+                    Poll::Pending => return Ok(false),
+                    Poll::Ready(Err(e)) => return Err(SpliceError::Write(self.to(), e)),
+                    Poll::Ready(Ok(())) => continue,
+                }
+            }
+            if self.eof {
+                if self.from == Side::Containerd && !st.client_gone {
+                    if !st.lost {
+                        return Err(SpliceError::Read(
+                            Side::Containerd,
+                            io::ErrorKind::UnexpectedEof.into(),
+                        ));
+                    }
+                    // Keep writing to the client until the splice ends.
+                    return Ok(false);
+                }
+                return match Pin::new(&mut *dst).poll_shutdown(cx) {
+                    Poll::Pending => Ok(false),
+                    Poll::Ready(_) => {
+                        self.done = true;
+                        Ok(true)
+                    }
+                };
+            }
+            self.make_room();
+            let mut rb = ReadBuf::new(&mut self.buf[self.end..]);
+            match Pin::new(&mut *src).poll_read(cx, &mut rb) {
+                Poll::Pending => return Ok(false),
+                Poll::Ready(Err(e)) => return Err(SpliceError::Read(self.from, e)),
+                Poll::Ready(Ok(())) => match rb.filled().len() {
+                    0 => {
+                        self.eof = true;
+                        st.client_gone |= self.from == Side::Client;
+                    }
+                    n => self.end += n,
+                },
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Forward,
+    Swallow,
+}
+
+/// Per-connection call state, shared by both directions.
+struct State {
+    ctx: Arc<Ctx>,
+    calls: HashMap<u32, Call>,
+    client_dec: Decoder<'static>,
+    server_dec: Decoder<'static>,
+    hooks: FuturesUnordered<BoxFuture<'static, Outcome>>,
+    hooks_added: bool,
+    last_stream: u32,
+    /// Set once GOAWAY was sent: streams above it are refused.
+    goaway: Option<u32>,
+    /// containerd went away; new calls are answered UNAVAILABLE.
+    lost: bool,
+    /// The client closed its side: containerd's EOF is the normal end.
+    client_gone: bool,
+}
+
+struct Call {
+    guard: Option<CallGuard>,
+    held: Option<Box<Held>>,
+    /// Opened after GOAWAY: reset on both sides, its frames dropped.
+    refused: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Before {
+    NotWanted,
+    /// Request DATA is parked until the whole request is in.
+    Collecting,
+    Running,
+    Done,
+}
+
+/// An intercepted call: request copied as it passes, reply held until the
+/// hook has run.
+struct Held {
+    hook: Option<Box<dyn Hook>>,
+    method: String,
+    before: Before,
+    request: BytesMut,
+    request_done: bool,
+    /// Client DATA frames not yet forwarded (while `before` runs).
+    parked: Vec<Bytes>,
+    parked_flow: u64,
+    head: Option<Vec<(Bytes, Bytes)>>,
+    head_end: bool,
+    data: BytesMut,
+    data_flow: u64,
+    data_end: bool,
+    trailers: Option<Vec<(Bytes, Bytes)>>,
+    response_done: bool,
+    after_running: bool,
+    /// containerd's RST_STREAM after a complete reply, sent on after it.
+    reset: Option<Bytes>,
+}
+
+impl Held {
+    fn parked_unsent(&self) -> bool {
+        matches!(self.before, Before::Collecting | Before::Running)
+    }
+
+    fn status(&self) -> Option<i32> {
+        let find = |f: &Option<Vec<(Bytes, Bytes)>>| {
+            f.as_ref()?
+                .iter()
+                .find(|(n, _)| &n[..] == b"grpc-status")
+                .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
+        };
+        find(&self.trailers).or_else(|| find(&self.head))
+    }
+}
+
+enum Outcome {
+    Before {
+        stream: u32,
+        hook: Box<dyn Hook>,
+        result: Result<(), tonic::Status>,
+    },
+    After {
+        stream: u32,
+        result: Result<(), tonic::Status>,
+    },
+}
+
+fn decoder() -> Decoder<'static> {
+    let mut d = Decoder::new();
+    d.set_max_allowed_table_size(MAX_TABLE);
+    d
+}
+
+fn malformed(side: Side, e: impl fmt::Display) -> SpliceError {
+    SpliceError::Malformed(side, e.to_string())
+}
+
+impl State {
+    fn new(ctx: Arc<Ctx>) -> State {
+        State {
+            ctx,
+            calls: HashMap::new(),
+            client_dec: decoder(),
+            server_dec: decoder(),
+            hooks: FuturesUnordered::new(),
+            hooks_added: false,
+            last_stream: 0,
+            goaway: None,
+            lost: false,
+            client_gone: false,
+        }
+    }
+
+    /// Whether a frame must be in the buffer whole before it is classified.
+    fn whole(&self, from: Side, head: &Head) -> bool {
+        match head.kind {
+            frames::HEADERS | frames::CONTINUATION | frames::RST_STREAM | frames::PUSH_PROMISE => {
+                true
+            }
+            frames::DATA => self.calls.get(&head.stream).is_some_and(|c| {
+                c.refused
+                    || c.held
+                        .as_ref()
+                        .is_some_and(|h| from == Side::Containerd || !h.request_done)
+            }),
+            _ => false,
+        }
+    }
+
+    /// A passed-through containerd DATA frame.
+    fn relayed(&mut self, head: &Head) {
+        if let Some(o) = &self.ctx.observer {
+            o.bytes_relayed(head.len as u64);
+        }
+        if head.has(frames::END_STREAM) {
+            self.calls.remove(&head.stream);
+        }
+    }
+
+    fn awaiting_hooks(&self) -> bool {
+        (self.calls.values()).any(|c| c.held.as_ref().is_some_and(|h| h.response_done))
+    }
+
+    /// A whole frame that is not plain DATA. `up` and `down` take frames to
+    /// write after it toward containerd and toward the client.
+    fn frame(
+        &mut self,
+        from: Side,
+        head: &Head,
+        frame: &[u8],
+        block: &mut Option<Block>,
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<Verdict, SpliceError> {
+        let payload = &frame[HEADER_LEN..];
+        // The client's header frames go out as they are; containerd's are
+        // re-encoded once the block is complete.
+        let header_verdict = match from {
+            Side::Client => Verdict::Forward,
+            Side::Containerd => Verdict::Swallow,
+        };
+        match head.kind {
+            frames::HEADERS => {
+                if head.stream == 0 {
+                    return Err(malformed(from, "HEADERS on stream 0"));
+                }
+                let r = frames::content(head, payload).map_err(|e| malformed(from, e))?;
+                if head.has(frames::END_HEADERS) {
+                    let end = head.has(frames::END_STREAM);
+                    self.block_done(from, head.stream, end, &payload[r], up, down)?;
+                } else {
+                    *block = Some(Block {
+                        stream: head.stream,
+                        end_stream: head.has(frames::END_STREAM),
+                        bytes: payload[r].to_vec(),
+                    });
+                }
+                Ok(header_verdict)
+            }
+            frames::CONTINUATION => {
+                let Some(b) = block.as_mut().filter(|b| b.stream == head.stream) else {
+                    return Err(malformed(from, "CONTINUATION without its HEADERS"));
+                };
+                if b.bytes.len() + payload.len() > MAX_BLOCK {
+                    return Err(SpliceError::BlockTooLarge(from));
+                }
+                b.bytes.extend_from_slice(payload);
+                if head.has(frames::END_HEADERS) {
+                    let b = block.take().expect("checked above");
+                    self.block_done(from, b.stream, b.end_stream, &b.bytes, up, down)?;
+                }
+                Ok(header_verdict)
+            }
+            frames::DATA => match from {
+                Side::Client => self.client_data(head, frame, up, down),
+                Side::Containerd => self.server_data(head, frame, up, down),
+            },
+            frames::RST_STREAM => {
+                if payload.len() != 4 {
+                    return Err(malformed(from, "RST_STREAM is not 4 bytes"));
+                }
+                let call = self.calls.get_mut(&head.stream);
+                if let Some(held) = call.and_then(|c| c.held.as_mut()) {
+                    if from == Side::Containerd && held.response_done {
+                        // grpc-go resets (NO_ERROR) a stream it has answered
+                        // before the client's END_STREAM: it follows the reply.
+                        held.reset = Some(Bytes::copy_from_slice(frame));
+                        return Ok(Verdict::Swallow);
+                    }
+                }
+                if let Some(call) = self.calls.remove(&head.stream) {
+                    if let Some(held) = call.held {
+                        credit_back(&held, up, down);
+                    }
+                }
+                Ok(Verdict::Forward)
+            }
+            frames::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
+            _ => Ok(Verdict::Forward),
+        }
+    }
+
+    fn block_done(
+        &mut self,
+        from: Side,
+        stream: u32,
+        end_stream: bool,
+        block: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<(), SpliceError> {
+        match from {
+            Side::Client => self.request_headers(stream, end_stream, block, up, down),
+            Side::Containerd => self.response_headers(stream, end_stream, block, up, down),
+        }
+    }
+
+    fn request_headers(
+        &mut self,
+        stream: u32,
+        end_stream: bool,
+        block: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<(), SpliceError> {
+        let mut path = None;
+        let mut namespace = None;
+        (self.client_dec)
+            .decode_with_cb(block, |n, v| match &*n {
+                b":path" => path = Some(String::from_utf8_lossy(&v).into_owned()),
+                b"containerd-namespace" if namespace.is_none() => {
+                    namespace = Some(String::from_utf8_lossy(&v).into_owned())
+                }
+                _ => {}
+            })
+            .map_err(|e| SpliceError::Hpack(Side::Client, format!("{e:?}")))?;
+        if self.calls.contains_key(&stream) {
+            // Request trailers.
+            if end_stream {
+                self.request_end(stream, up, down);
+            }
+            return Ok(());
+        }
+        if stream <= self.last_stream {
+            return Ok(()); // a closed stream: containerd answers that
+        }
+        self.last_stream = stream;
+        if self.lost {
+            let msg = format!(
+                "imgbridge: containerd at {} closed the connection",
+                self.ctx.upstream.display()
+            );
+            down.push_back(error_reply(stream, tonic::Code::Unavailable, &msg));
+            return Ok(());
+        }
+        if self.goaway.is_some_and(|last| stream > last) {
+            up.push_back(frames::rst_stream(stream, frames::CANCEL));
+            down.push_back(frames::rst_stream(stream, frames::REFUSED_STREAM));
+            let call = Call {
+                guard: None,
+                held: None,
+                refused: true,
+            };
+            self.calls.insert(stream, call);
+            return Ok(());
+        }
+        let info = CallInfo {
+            method: path.unwrap_or_default(),
+            namespace,
+        };
+        let held = self.ctx.interceptor.select(&info).map(|hook| {
+            Box::new(Held {
+                before: if hook.wants_before() {
+                    Before::Collecting
+                } else {
+                    Before::NotWanted
+                },
+                hook: Some(hook),
+                method: info.method.clone(),
+                request: BytesMut::new(),
+                request_done: false,
+                parked: Vec::new(),
+                parked_flow: 0,
+                head: None,
+                head_end: false,
+                data: BytesMut::new(),
+                data_flow: 0,
+                data_end: false,
+                trailers: None,
+                response_done: false,
+                after_running: false,
+                reset: None,
+            })
+        });
+        let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), &info.method));
+        self.calls.insert(
+            stream,
+            Call {
+                guard,
+                held,
+                refused: false,
+            },
+        );
+        if end_stream {
+            self.request_end(stream, up, down);
+        }
+        Ok(())
+    }
+
+    fn response_headers(
+        &mut self,
+        stream: u32,
+        end_stream: bool,
+        block: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<(), SpliceError> {
+        let hpack = |e| SpliceError::Hpack(Side::Containerd, format!("{e:?}"));
+        let (held, refused) = self
+            .calls
+            .get(&stream)
+            .map_or((false, false), |c| (c.held.is_some(), c.refused));
+        if held {
+            let mut fields = Vec::new();
+            (self.server_dec)
+                .decode_with_cb(block, |n, v| {
+                    fields.push((Bytes::copy_from_slice(&n), Bytes::copy_from_slice(&v)))
+                })
+                .map_err(hpack)?;
+            let held = (self.calls.get_mut(&stream))
+                .and_then(|c| c.held.as_mut())
+                .expect("checked above");
+            if held.head.is_none() {
+                held.head = Some(fields);
+                held.head_end = end_stream;
+            } else {
+                held.trailers = Some(fields);
+            }
+            if end_stream {
+                held.response_done = true;
+                self.try_finish(stream, up, down);
+            }
+            return Ok(());
+        }
+        let mut status = None;
+        let mut out = BytesMut::with_capacity(block.len() + 64);
+        (self.server_dec)
+            .decode_with_cb(block, |n, v| {
+                if &*n == b"grpc-status" {
+                    status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok());
+                }
+                frames::encode_field(&mut out, &n, &v);
+            })
+            .map_err(hpack)?;
+        if let Some(c) = self.calls.get_mut(&stream) {
+            if let Some(g) = c.guard.as_mut() {
+                g.set_status(status);
+            }
+        }
+        if end_stream {
+            self.calls.remove(&stream);
+        }
+        if !refused {
+            let mut frame = BytesMut::with_capacity(out.len() + 2 * HEADER_LEN);
+            frames::headers(stream, &out, end_stream, &mut frame);
+            down.push_back(frame.freeze());
+        }
+        Ok(())
+    }
+
+    fn client_data(
+        &mut self,
+        head: &Head,
+        frame: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<Verdict, SpliceError> {
+        let Some(call) = self.calls.get_mut(&head.stream) else {
+            return Ok(Verdict::Forward);
+        };
+        if call.refused {
+            down.extend(frames::window_update(0, head.len as u64));
+            return Ok(Verdict::Swallow);
+        }
+        let Some(held) = call.held.as_mut() else {
+            return Ok(Verdict::Forward);
+        };
+        let payload = &frame[HEADER_LEN..];
+        let r = frames::content(head, payload).map_err(|e| malformed(Side::Client, e))?;
+        let mut verdict = Verdict::Forward;
+        if held.request.len() + r.len() > HELD_LIMIT {
+            tracing::warn!(method = %held.method, "request over 16 MiB; relaying it without interception");
+            if held.parked_unsent() {
+                up.extend(held.parked.drain(..));
+            }
+            call.held = None;
+            return Ok(verdict);
+        }
+        held.request.extend_from_slice(&payload[r]);
+        if held.before == Before::Collecting {
+            held.parked.push(Bytes::copy_from_slice(frame));
+            held.parked_flow += head.len as u64;
+            verdict = Verdict::Swallow;
+        }
+        if head.has(frames::END_STREAM) {
+            if verdict == Verdict::Swallow {
+                // Parked: `request_end` decides when it goes out.
+                self.request_end(head.stream, up, down);
+                return Ok(Verdict::Swallow);
+            }
+            self.request_end(head.stream, up, down);
+        }
+        Ok(verdict)
+    }
+
+    fn request_end(&mut self, stream: u32, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
+        let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
+            return;
+        };
+        held.request_done = true;
+        if held.before == Before::Collecting {
+            let request = held.request.clone().freeze();
+            match (grpc::unary_message(&request), held.hook.take()) {
+                (Ok(msg), Some(mut hook)) => {
+                    held.before = Before::Running;
+                    self.hooks_added = true;
+                    self.hooks.push(Box::pin(async move {
+                        let result = hook.before(&msg).await;
+                        Outcome::Before {
+                            stream,
+                            hook,
+                            result,
+                        }
+                    }));
+                }
+                (msg, _) => {
+                    // Compressed or malformed: never guess, let containerd judge it.
+                    let error = msg.err();
+                    tracing::warn!(method = %held.method, ?error, "request not interceptable; relaying untouched");
+                    held.before = Before::Done;
+                    up.extend(held.parked.drain(..));
+                    held.parked_flow = 0;
+                }
+            }
+            return;
+        }
+        if held.response_done {
+            self.try_finish(stream, up, down);
+        }
+    }
+
+    fn server_data(
+        &mut self,
+        head: &Head,
+        frame: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Result<Verdict, SpliceError> {
+        let Some(call) = self.calls.get_mut(&head.stream) else {
+            return Ok(Verdict::Forward);
+        };
+        if call.refused {
+            up.extend(frames::window_update(0, head.len as u64));
+            return Ok(Verdict::Swallow);
+        }
+        let Some(held) = call.held.as_mut() else {
+            return Ok(Verdict::Forward);
+        };
+        let payload = &frame[HEADER_LEN..];
+        let r = frames::content(head, payload).map_err(|e| malformed(Side::Containerd, e))?;
+        held.data.extend_from_slice(&payload[r]);
+        held.data_flow += head.len as u64;
+        if head.has(frames::END_STREAM) {
+            held.data_end = true;
+            held.response_done = true;
+        }
+        if held.data.len() > HELD_LIMIT {
+            tracing::warn!(method = %held.method, "reply over 16 MiB; relaying it without interception");
+            self.release(head.stream, up, down, false);
+            return Ok(Verdict::Swallow);
+        }
+        if held.response_done {
+            self.try_finish(head.stream, up, down);
+        }
+        Ok(Verdict::Swallow)
+    }
+
+    /// Runs the `after` hook once both request and reply are in, or releases
+    /// the reply untouched when there is nothing to act on.
+    fn try_finish(&mut self, stream: u32, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
+        let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
+            return;
+        };
+        if !held.response_done || held.after_running || held.before == Before::Running {
+            return;
+        }
+        if held.status() == Some(0) && held.hook.is_some() {
+            let request = held.request.clone().freeze();
+            let reply = held.data.clone().freeze();
+            let rq = grpc::unary_message(&request);
+            if !held.request_done
+                && matches!(
+                    rq,
+                    Err(grpc::FrameError::Short(_) | grpc::FrameError::Length { .. })
+                )
+            {
+                // grpc-go answers a unary call as soon as it has the message,
+                // maybe before the client's END_STREAM: wait for the rest.
+                return;
+            }
+            match (rq, grpc::unary_message(&reply)) {
+                (Ok(rq), Ok(rs)) => {
+                    let hook = held.hook.take().expect("checked above");
+                    held.after_running = true;
+                    self.hooks_added = true;
+                    self.hooks.push(Box::pin(async move {
+                        Outcome::After {
+                            stream,
+                            result: hook.after(rq, rs).await,
+                        }
+                    }));
+                    return;
+                }
+                (rq, rs) => {
+                    let e = rq.err().or(rs.err());
+                    tracing::warn!(method = %held.method, error = ?e, "call not interceptable; relaying the reply untouched");
+                }
+            }
+        }
+        self.release(stream, up, down, true);
+    }
+
+    /// Sends a held reply on as containerd sent it. With `whole == false` the
+    /// reply is still arriving: the call is left to pass through from here.
+    fn release(
+        &mut self,
+        stream: u32,
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+        whole: bool,
+    ) {
+        let Some(call) = self.calls.get_mut(&stream) else {
+            return;
+        };
+        let Some(held) = call.held.take() else {
+            return;
+        };
+        let mut out = BytesMut::new();
+        if let Some(head) = &held.head {
+            frames::headers(stream, &encode(head), held.head_end, &mut out);
+        }
+        if !held.data.is_empty() || held.data_end {
+            frames::data(stream, &held.data, held.data_end, &mut out);
+        }
+        if let Some(t) = &held.trailers {
+            frames::headers(stream, &encode(t), true, &mut out);
+        }
+        down.push_back(out.freeze());
+        down.extend(held.reset.clone());
+        // Padding the client never saw is credited back to containerd.
+        up.extend(frames::window_update(
+            0,
+            held.data_flow - held.data.len() as u64,
+        ));
+        if held.parked_unsent() {
+            down.extend(frames::window_update(0, held.parked_flow));
+        }
+        if let Some(g) = call.guard.as_mut() {
+            g.set_status(held.status());
+        }
+        if whole {
+            self.calls.remove(&stream);
+        }
+    }
+
+    /// Answers a held call with `status` instead of containerd's reply.
+    fn fail(
+        &mut self,
+        stream: u32,
+        status: tonic::Status,
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) {
+        let Some(mut call) = self.calls.remove(&stream) else {
+            return;
+        };
+        let Some(held) = call.held.take() else {
+            return;
+        };
+        down.push_back(error_reply(stream, status.code(), status.message()));
+        down.extend(held.reset.clone());
+        if !held.response_done {
+            up.push_back(frames::rst_stream(stream, frames::CANCEL));
+        }
+        credit_back(&held, up, down);
+        if let Some(g) = call.guard.as_mut() {
+            g.set_status(Some(status.code() as i32));
+        }
+    }
+
+    fn outcome(&mut self, o: Outcome, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
+        match o {
+            Outcome::Before {
+                stream,
+                hook,
+                result,
+            } => {
+                let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
+                    return; // the client gave up meanwhile
+                };
+                held.hook = Some(hook);
+                match result {
+                    Ok(()) => {
+                        held.before = Before::Done;
+                        up.extend(held.parked.drain(..));
+                        held.parked_flow = 0;
+                        self.try_finish(stream, up, down);
+                    }
+                    Err(status) => self.fail(stream, status, up, down),
+                }
+            }
+            Outcome::After { stream, result } => match result {
+                Ok(()) => self.release(stream, up, down, true),
+                Err(status) => self.fail(stream, status, up, down),
+            },
+        }
+    }
+}
+
+/// Gives back flow-control credit held frames took and never delivered.
+fn credit_back(held: &Held, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
+    up.extend(frames::window_update(0, held.data_flow));
+    if held.parked_unsent() {
+        down.extend(frames::window_update(0, held.parked_flow));
+    }
+}
+
+fn encode(fields: &[(Bytes, Bytes)]) -> BytesMut {
+    let mut b = BytesMut::new();
+    for (n, v) in fields {
+        frames::encode_field(&mut b, n, v);
+    }
+    b
+}
+
+/// A Trailers-Only gRPC error reply on `stream`.
+fn error_reply(stream: u32, code: tonic::Code, message: &str) -> Bytes {
+    let code = (code as i32).to_string();
+    let message = grpc::encode_message(message);
+    let fields = [
+        (&b":status"[..], &b"200"[..]),
+        (b"content-type", b"application/grpc"),
+        (b"grpc-status", code.as_bytes()),
+        (b"grpc-message", message.as_bytes()),
+    ];
+    let mut block = BytesMut::new();
+    for (n, v) in fields {
+        frames::encode_field(&mut block, n, v);
+    }
+    let mut out = BytesMut::new();
+    frames::headers(stream, &block, true, &mut out);
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    //! Frame-level checks with both peers played by hand, for what real
+    //! clients and containerd do too rarely to catch in integration tests.
+    use super::*;
+    use crate::proxy::intercept::typed;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::sync::Notify;
+
+    struct Rules {
+        fail: bool,
+        gate: Arc<Notify>,
+        wait: AtomicBool,
+    }
+
+    impl Interceptor for Rules {
+        fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
+            if call.method != "/t.S/Held" {
+                return None;
+            }
+            let (fail, gate, wait) = (
+                self.fail,
+                self.gate.clone(),
+                self.wait.load(Ordering::SeqCst),
+            );
+            Some(typed(move |_: (), _: ()| async move {
+                if wait {
+                    gate.notified().await;
+                }
+                if fail {
+                    Err(tonic::Status::internal("boom"))
+                } else {
+                    Ok(())
+                }
+            }))
+        }
+    }
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+        f.extend_from_slice(&[kind, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn block(fields: &[(&str, &str)]) -> Vec<u8> {
+        let mut b = BytesMut::new();
+        for (n, v) in fields {
+            frames::encode_field(&mut b, n.as_bytes(), v.as_bytes());
+        }
+        b.to_vec()
+    }
+
+    fn request(stream: u32, path: &str) -> Vec<u8> {
+        let b = block(&[
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "x"),
+        ]);
+        frame(frames::HEADERS, frames::END_HEADERS, stream, &b)
+    }
+
+    async fn read_frame(s: &mut UnixStream) -> (Head, Vec<u8>) {
+        let mut h = [0u8; HEADER_LEN];
+        s.read_exact(&mut h).await.unwrap();
+        let head = Head::parse(&h);
+        let mut p = vec![0; head.len];
+        s.read_exact(&mut p).await.unwrap();
+        (head, p)
+    }
+
+    fn start(
+        rules: Rules,
+    ) -> (
+        UnixStream,
+        UnixStream,
+        tokio::task::JoinHandle<Result<(), SpliceError>>,
+    ) {
+        let (client, proxy_down) = UnixStream::pair().unwrap();
+        let (proxy_up, server) = UnixStream::pair().unwrap();
+        let ctx = Arc::new(Ctx {
+            interceptor: Arc::new(rules),
+            observer: None,
+            upstream: "/run/test.sock".into(),
+        });
+        let task = tokio::spawn(run(proxy_down, proxy_up, ctx, CancellationToken::new()));
+        (client, server, task)
+    }
+
+    const MSG: [u8; 5] = [0, 0, 0, 0, 0];
+
+    #[tokio::test]
+    async fn reply_before_end_stream_still_runs_the_hook_and_its_error_wins() {
+        let rules = Rules {
+            fail: true,
+            gate: Arc::new(Notify::new()),
+            wait: AtomicBool::new(false),
+        };
+        let (mut client, mut server, _task) = start(rules);
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(frame(4, 0, 0, &[]));
+        sent.extend(request(1, "/t.S/Held"));
+        sent.extend(frame(frames::DATA, 0, 1, &MSG));
+        client.write_all(&sent).await.unwrap();
+        let mut got = vec![0; sent.len()];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, sent, "client frames reach containerd byte for byte");
+
+        // grpc-go replies once it has the message, before END_STREAM.
+        let mut reply = frame(
+            frames::HEADERS,
+            frames::END_HEADERS,
+            1,
+            &block(&[(":status", "200")]),
+        );
+        reply.extend(frame(frames::DATA, 0, 1, &MSG));
+        reply.extend(frame(
+            frames::HEADERS,
+            frames::END_HEADERS | frames::END_STREAM,
+            1,
+            &block(&[("grpc-status", "0")]),
+        ));
+        server.write_all(&reply).await.unwrap();
+        client
+            .write_all(&frame(frames::DATA, frames::END_STREAM, 1, &[]))
+            .await
+            .unwrap();
+
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 1));
+        assert!(h.has(frames::END_STREAM), "Trailers-Only error reply");
+        let fields = Decoder::new().decode(&p).unwrap();
+        assert!(
+            fields.contains(&(b"grpc-status".to_vec(), b"13".to_vec())),
+            "{fields:?}"
+        );
+        assert!(fields.contains(&(b"grpc-message".to_vec(), b"boom".to_vec())));
+
+        // containerd gets the END_STREAM and its 5 DATA bytes of credit back.
+        let (h, _) = read_frame(&mut server).await;
+        assert_eq!((h.kind, h.flags), (frames::DATA, frames::END_STREAM));
+        let (h, p) = read_frame(&mut server).await;
+        assert_eq!((h.kind, h.stream), (frames::WINDOW_UPDATE, 0));
+        assert_eq!(p, 5u32.to_be_bytes());
+    }
+
+    #[tokio::test]
+    async fn held_reply_released_after_later_replies_decodes_with_one_hpack_state() {
+        let gate = Arc::new(Notify::new());
+        let rules = Rules {
+            fail: false,
+            gate: gate.clone(),
+            wait: AtomicBool::new(true),
+        };
+        let (mut client, mut server, _task) = start(rules);
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Held"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        sent.extend(request(3, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 3, &MSG));
+        client.write_all(&sent).await.unwrap();
+        let mut got = vec![0; sent.len()];
+        server.read_exact(&mut got).await.unwrap();
+
+        // containerd's encoder indexes: the second block refers to entries
+        // the first one (the held reply) inserted.
+        let mut enc = loona_hpack::Encoder::new();
+        let fields: [(&[u8], &[u8]); 3] = [
+            (b":status", b"200"),
+            (b"content-type", b"application/grpc"),
+            (b"x-custom", b"first"),
+        ];
+        let mut reply = Vec::new();
+        let mut blocks = Vec::new();
+        for stream in [1u32, 3] {
+            let b = enc.encode(fields.iter().copied());
+            blocks.push(b.clone());
+            reply.extend(frame(frames::HEADERS, frames::END_HEADERS, stream, &b));
+            reply.extend(frame(frames::DATA, 0, stream, &MSG));
+            let t = enc.encode([(&b"grpc-status"[..], &b"0"[..])]);
+            reply.extend(frame(
+                frames::HEADERS,
+                frames::END_HEADERS | frames::END_STREAM,
+                stream,
+                &t,
+            ));
+        }
+        assert!(
+            Decoder::new().decode(&blocks[1]).is_err(),
+            "the second block must depend on the first one's table entries"
+        );
+        server.write_all(&reply).await.unwrap();
+
+        let mut dec = Decoder::new();
+        let mut order = Vec::new();
+        for i in 0..6 {
+            if i == 3 {
+                gate.notify_one();
+            }
+            let (h, p) = read_frame(&mut client).await;
+            if h.kind == frames::HEADERS {
+                let f = dec.decode(&p).unwrap();
+                let has = |n: &[u8], v: &[u8]| f.contains(&(n.to_vec(), v.to_vec()));
+                assert!(
+                    has(b"x-custom", b"first") || has(b"grpc-status", b"0"),
+                    "{f:?}"
+                );
+            }
+            order.push((h.stream, h.kind));
+        }
+        let h = (frames::HEADERS, frames::DATA);
+        assert_eq!(
+            order,
+            [(3, h.0), (3, h.1), (3, h.0), (1, h.0), (1, h.1), (1, h.0)]
+        );
+    }
+}
