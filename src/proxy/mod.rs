@@ -13,6 +13,7 @@
 pub mod body;
 pub mod frames;
 pub mod grpc;
+pub mod hpack;
 pub mod intercept;
 pub mod io;
 pub mod listener;

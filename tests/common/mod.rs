@@ -1199,11 +1199,12 @@ state = "{state}"
     content_sharing_policy = "{policy}"
   # Tests stand in for buildkit with `ctr content ingest`, which (unlike
   # buildkit) leaves the blob unreferenced until the test labels it or names
-  # an image after it. containerd's defaults collect at once after any
-  # deletion (a lease released anywhere), which made that window a race.
-  # GC here runs only when asked for (Images.Delete sync, as the GC-safety
-  # test does).
+  # an image after it. containerd's defaults collect 100 ms after start and
+  # at once after any deletion (a lease released anywhere), which made that
+  # window a race. GC here runs only when asked for (Images.Delete sync, as
+  # the GC-safety test does).
   [plugins."io.containerd.gc.v1.scheduler"]
+    startup_delay = "0s"
     deletion_threshold = 1000000
     mutation_threshold = 1000000
 "#,
