@@ -79,6 +79,14 @@ pub enum SpliceError {
 }
 
 impl SpliceError {
+    /// containerd's socket failed or closed: the client can still be told.
+    fn is_containerd_io(&self) -> bool {
+        matches!(
+            self,
+            SpliceError::Read(Side::Containerd, _) | SpliceError::Write(Side::Containerd, _)
+        )
+    }
+
     /// Resets and broken pipes are how peers hang up; everything else is news.
     pub fn is_hangup(&self) -> bool {
         matches!(self, SpliceError::Read(_, e) | SpliceError::Write(_, e)
@@ -190,32 +198,28 @@ impl Splice {
                 self.st
                     .outcome(outcome, &mut self.up.inject, &mut self.down.inject);
             }
-            let up_done = match (self.up).poll(
+            let up = (self.up).poll(
                 cx,
                 &mut self.client,
                 &mut self.upstream,
                 &mut self.down.inject,
                 &mut self.st,
-            ) {
-                Err(SpliceError::Write(Side::Containerd, e)) => {
-                    self.lose(&e)?;
-                    continue;
-                }
-                r => r?,
-            };
+            );
             let queued_up = self.up.inject.len();
-            let down_done = match (self.down).poll(
+            let down = (self.down).poll(
                 cx,
                 &mut self.upstream,
                 &mut self.client,
                 &mut self.up.inject,
                 &mut self.st,
-            ) {
-                Err(SpliceError::Read(Side::Containerd, e)) => {
+            );
+            let (up_done, down_done) = match (up, down) {
+                (Ok(u), Ok(d)) => (u, d),
+                (Err(e), _) | (_, Err(e)) if e.is_containerd_io() => {
                     self.lose(&e)?;
                     continue;
                 }
-                r => r?,
+                (Err(e), _) | (_, Err(e)) => return Poll::Ready(Err(e)),
             };
             if self.st.lost {
                 // The client hung up, or had its time to.
@@ -739,10 +743,7 @@ impl State {
                 }
                 Ok(header_verdict)
             }
-            frames::DATA => match from {
-                Side::Client => self.client_data(head, frame, up, down),
-                Side::Containerd => self.server_data(head, frame, up, down),
-            },
+            frames::DATA => self.data(from, head, frame, up, down),
             frames::RST_STREAM => {
                 if payload.len() != 4 {
                     return Err(malformed(from, "RST_STREAM is not 4 bytes"));
@@ -937,8 +938,10 @@ impl State {
         Ok(())
     }
 
-    fn client_data(
+    /// DATA of a refused or held call (any other passes without a look).
+    fn data(
         &mut self,
+        from: Side,
         head: &Head,
         frame: &[u8],
         up: &mut VecDeque<Bytes>,
@@ -948,24 +951,45 @@ impl State {
             return Ok(Verdict::Forward);
         };
         if call.refused {
-            down.extend(frames::window_update(0, head.len as u64));
+            // Dropped: the sender gets its flow-control credit back.
+            let credit = frames::window_update(0, head.len as u64);
+            match from {
+                Side::Client => down.extend(credit),
+                Side::Containerd => up.extend(credit),
+            }
             return Ok(Verdict::Swallow);
         }
-        let Some(held) = call.held.as_mut() else {
+        if call.held.is_none() {
             return Ok(Verdict::Forward);
-        };
+        }
         let payload = &frame[HEADER_LEN..];
-        let r = frames::content(head, payload).map_err(|e| malformed(Side::Client, e))?;
+        let r = frames::content(head, payload).map_err(|e| malformed(from, e))?;
+        match from {
+            Side::Client => Ok(self.client_data(head, frame, &payload[r], up, down)),
+            Side::Containerd => Ok(self.server_data(head, &payload[r], up, down)),
+        }
+    }
+
+    fn client_data(
+        &mut self,
+        head: &Head,
+        frame: &[u8],
+        content: &[u8],
+        up: &mut VecDeque<Bytes>,
+        down: &mut VecDeque<Bytes>,
+    ) -> Verdict {
+        let call = self.calls.get_mut(&head.stream).expect("checked by data()");
+        let held = call.held.as_mut().expect("checked by data()");
         let mut verdict = Verdict::Forward;
-        if held.request.len() + r.len() > HELD_LIMIT {
+        if held.request.len() + content.len() > HELD_LIMIT {
             tracing::warn!(method = %held.method, "request over 16 MiB; relaying it without interception");
             if held.parked_unsent() {
                 up.extend(held.parked.drain(..));
             }
             call.held = None;
-            return Ok(verdict);
+            return verdict;
         }
-        held.request.extend_from_slice(&payload[r]);
+        held.request.extend_from_slice(content);
         if held.before == Before::Collecting {
             held.parked.push(Bytes::copy_from_slice(frame));
             held.parked_flow += head.len as u64;
@@ -975,11 +999,11 @@ impl State {
             if verdict == Verdict::Swallow {
                 // Parked: `request_end` decides when it goes out.
                 self.request_end(head.stream, up, down);
-                return Ok(Verdict::Swallow);
+                return Verdict::Swallow;
             }
             self.request_end(head.stream, up, down);
         }
-        Ok(verdict)
+        verdict
     }
 
     fn request_end(&mut self, stream: u32, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
@@ -1021,23 +1045,13 @@ impl State {
     fn server_data(
         &mut self,
         head: &Head,
-        frame: &[u8],
+        content: &[u8],
         up: &mut VecDeque<Bytes>,
         down: &mut VecDeque<Bytes>,
-    ) -> Result<Verdict, SpliceError> {
-        let Some(call) = self.calls.get_mut(&head.stream) else {
-            return Ok(Verdict::Forward);
-        };
-        if call.refused {
-            up.extend(frames::window_update(0, head.len as u64));
-            return Ok(Verdict::Swallow);
-        }
-        let Some(held) = call.held.as_mut() else {
-            return Ok(Verdict::Forward);
-        };
-        let payload = &frame[HEADER_LEN..];
-        let r = frames::content(head, payload).map_err(|e| malformed(Side::Containerd, e))?;
-        held.data.extend_from_slice(&payload[r]);
+    ) -> Verdict {
+        let call = self.calls.get_mut(&head.stream).expect("checked by data()");
+        let held = call.held.as_mut().expect("checked by data()");
+        held.data.extend_from_slice(content);
         held.data_flow += head.len as u64;
         if head.has(frames::END_STREAM) {
             held.data_end = true;
@@ -1046,12 +1060,12 @@ impl State {
         if held.data.len() > HELD_LIMIT {
             tracing::warn!(method = %held.method, "reply over 16 MiB; relaying it without interception");
             self.release(head.stream, up, down, false);
-            return Ok(Verdict::Swallow);
+            return Verdict::Swallow;
         }
         if held.response_done {
             self.try_finish(head.stream, up, down);
         }
-        Ok(Verdict::Swallow)
+        Verdict::Swallow
     }
 
     /// Runs the `after` hook once both request and reply are in, or releases

@@ -1,5 +1,7 @@
-//! HTTP/2, socket and threading settings of both legs, in one place so
-//! benchmarks can compare them (`scripts/bench.sh`, docs/performance.md).
+//! HTTP/2, socket and threading settings, in one place so benchmarks can
+//! compare them (`scripts/bench.sh`, README "Performance"). The HTTP/2 ones
+//! apply to hyper's legs, which serve clients that connected while
+//! containerd was down; the splice negotiates nothing of its own.
 //!
 //! Defaults mirror what grpc-go (containerd, ctr, kubelet) accepts, so that
 //! the proxy imposes no limit the client would not hit directly: unlimited
