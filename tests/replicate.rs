@@ -716,7 +716,29 @@ async fn on_failure_fail_and_warn() {
             b"this is not a manifest"
         ))
     );
-    ctr_ingest(c.socket(), SRC, &d, &f);
+    // An unreferenced blob is fair game for containerd's GC (its startup
+    // GC included): root it, and ingest again if a GC won the race.
+    let rooted = poll_async(Duration::from_secs(20), || async {
+        if content_info(c.socket(), SRC, &d).await.is_none() {
+            ctr_ingest(c.socket(), SRC, &d, &f);
+        }
+        // Not ctr_ok: the blob may vanish in between; the check below tells.
+        let _ = Command::new("ctr")
+            .arg("-a")
+            .arg(c.socket())
+            .args([
+                "-n",
+                SRC,
+                "content",
+                "label",
+                &d,
+                "containerd.io/gc.root=test",
+            ])
+            .output();
+        content_info(c.socket(), SRC, &d).await.map(|_| ())
+    })
+    .await;
+    assert!(rooted.is_some(), "could not keep the broken blob in {SRC}");
     let target = Descriptor {
         media_type: "application/vnd.oci.image.manifest.v1+json".into(),
         digest: d.clone(),
