@@ -315,6 +315,40 @@ async fn isolated_content_sharing_copies_bytes() {
     pod.cleanup().await;
 }
 
+/// Several large blobs copied at once (isolated content): the copies must
+/// not starve each other's WRITE acknowledgements (they used to deadlock on
+/// one shared HTTP/2 connection until the replication timed out).
+#[tokio::test]
+async fn isolated_concurrent_large_copies_complete() {
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        isolated: true,
+        ..Default::default()
+    });
+    let p = Imgbridge::start(c.socket(), &[]);
+    let img = TestImage::build("isobig:1", 4, &[], 12 << 20);
+    let started = Instant::now();
+    import_via(p.socket(), SRC, &img.docker_archive());
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "import through the proxy took {:?}",
+        started.elapsed()
+    );
+    assert!(cri_image_status(c.socket(), &img.normalized())
+        .await
+        .is_some());
+    let manifest = image_target(c.socket(), K8S, &img.normalized())
+        .await
+        .digest;
+    for d in stored_blobs(c.socket(), SRC, &manifest) {
+        let src = content_info(c.socket(), SRC, &d).await.expect("in source");
+        let dst = content_info(c.socket(), K8S, &d)
+            .await
+            .unwrap_or_else(|| panic!("{d} missing in {K8S}"));
+        assert_eq!(src.size, dst.size, "{d}");
+    }
+}
+
 #[tokio::test]
 async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let c = Containerd::start(cri());
@@ -716,7 +750,29 @@ async fn on_failure_fail_and_warn() {
             b"this is not a manifest"
         ))
     );
-    ctr_ingest(c.socket(), SRC, &d, &f);
+    // An unreferenced blob is fair game for containerd's GC (its startup
+    // GC included): root it, and ingest again if a GC won the race.
+    let rooted = poll_async(Duration::from_secs(20), || async {
+        if content_info(c.socket(), SRC, &d).await.is_none() {
+            ctr_ingest(c.socket(), SRC, &d, &f);
+        }
+        // Not ctr_ok: the blob may vanish in between; the check below tells.
+        let _ = Command::new("ctr")
+            .arg("-a")
+            .arg(c.socket())
+            .args([
+                "-n",
+                SRC,
+                "content",
+                "label",
+                &d,
+                "containerd.io/gc.root=test",
+            ])
+            .output();
+        content_info(c.socket(), SRC, &d).await.map(|_| ())
+    })
+    .await;
+    assert!(rooted.is_some(), "could not keep the broken blob in {SRC}");
     let target = Descriptor {
         media_type: "application/vnd.oci.image.manifest.v1+json".into(),
         digest: d.clone(),

@@ -19,6 +19,10 @@ use super::{request, Containerd, Error, Result};
 
 /// Chunk size of streamed writes, as the Go client uses.
 const CHUNK: usize = 1 << 20;
+/// WRITE messages sent ahead of their acknowledgement: waiting for each ack
+/// would idle both sides once per chunk; a bounded window keeps memory
+/// constant (acks are ~100 bytes, far below any HTTP/2 window).
+const WINDOW: usize = 8;
 
 /// How a blob reached the target namespace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,7 +74,7 @@ impl Containerd {
     ) -> Result<impl Stream<Item = Result<Bytes>> + Send + 'static> {
         let op = format!("Content.Read {digest} in {ns}");
         let s = self
-            .content()
+            .bulk_content()
             .read(request(
                 ns,
                 None,
@@ -129,6 +133,91 @@ impl Containerd {
         let data = self.read_stream(source, blob.digest).await?;
         w.write_all(data, &blob).await?;
         Ok(Linked::Copied)
+    }
+
+    /// Shared content in ONE round trip: a first message that is already the
+    /// COMMIT (`offset = total`, labels included). `Ok(None)` when containerd
+    /// cannot share the bytes (isolated mode, or the backend lacks them):
+    /// the ingest is aborted and the caller must stream them.
+    pub async fn link_shared(
+        &self,
+        ns: &str,
+        lease: Option<&str>,
+        blob: BlobRef<'_>,
+    ) -> Result<Option<Linked>> {
+        let reference = format!("imgbridge-{}-{}", super::leases::unique(), blob.digest);
+        let op = format!("Content.Write {} in {ns}", blob.digest);
+        let msg = WriteContentRequest {
+            action: WriteAction::Commit as i32,
+            r#ref: reference.clone(),
+            total: blob.size,
+            offset: blob.size,
+            expected: blob.digest.into(),
+            labels: blob.labels.clone(),
+            ..Default::default()
+        };
+        // Aborts the ingest if this future is dropped mid-call.
+        let mut guard = AbortOnDrop {
+            c: self.clone(),
+            ns: ns.into(),
+            lease: lease.map(str::to_owned),
+            reference: Some(reference),
+        };
+        // Keep our side open until the reply: the server then sends its
+        // reply before it sees the end of the stream.
+        let (tx, rx) = mpsc::channel(1);
+        tx.send(msg)
+            .await
+            .map_err(|_| Error::Protocol("write channel closed".into()))?;
+        let res = match self
+            .content()
+            .write(request(ns, lease, ReceiverStream::new(rx)))
+            .await
+        {
+            Ok(r) => r.into_inner().message().await.map(|m| m.is_some()),
+            Err(s) => Err(s),
+        };
+        drop(tx);
+        match res {
+            Ok(true) => {
+                guard.reference = None;
+                Ok(Some(Linked::Shared))
+            }
+            Ok(false) => Err(Error::Protocol(format!(
+                "{op}: stream ended before COMMIT reply"
+            ))),
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                guard.reference = None;
+                Ok(Some(Linked::Present))
+            }
+            // "write @N must occur at current offset 0": nothing to share.
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::OutOfRange | tonic::Code::FailedPrecondition
+                ) =>
+            {
+                if let Some(r) = guard.reference.take() {
+                    self.abort_ingest(ns, lease, &r).await;
+                }
+                Ok(None)
+            }
+            Err(status) => Err(Error::Status { op, status }),
+        }
+    }
+
+    /// Best effort: a failed ingest otherwise lingers until it expires.
+    async fn abort_ingest(&self, ns: &str, lease: Option<&str>, reference: &str) {
+        let _ = self
+            .content()
+            .abort(request(
+                ns,
+                lease,
+                AbortRequest {
+                    r#ref: reference.into(),
+                },
+            ))
+            .await;
     }
 
     /// Writes a blob from a byte stream into `ns` (digest verified by
@@ -200,6 +289,7 @@ impl Containerd {
             offset: stat.offset,
             tx: Some(tx),
             replies,
+            unacked: 0,
             op,
             done: false,
         }))
@@ -289,17 +379,9 @@ impl Ingest {
             } else {
                 Vec::new()
             };
-            let n = data.len() as i64;
-            self.writer
-                .send(WriteContentRequest {
-                    action: WriteAction::Write as i32,
-                    offset: self.writer.offset,
-                    data,
-                    ..Default::default()
-                })
-                .await?;
-            self.writer.offset += n;
-            self.writer.ack().await?;
+            let offset = self.writer.offset;
+            self.writer.offset += data.len() as i64;
+            self.writer.write_at(offset, data).await?;
             data = rest;
         }
         Ok(())
@@ -337,6 +419,8 @@ struct Writer {
     offset: i64,
     tx: Option<mpsc::Sender<WriteContentRequest>>,
     replies: tonic::Streaming<containerd_client::services::v1::WriteContentResponse>,
+    /// WRITE messages whose reply has not been read yet.
+    unacked: usize,
     op: String,
     done: bool,
 }
@@ -353,34 +437,20 @@ impl Writer {
         Error::Protocol(format!("{}: containerd closed the write stream", self.op))
     }
 
-    /// Streams all bytes from offset 0 and commits.
+    /// Streams all bytes from offset 0 and commits. Chunks of at most 1 MiB
+    /// (containerd's Read chunks) are forwarded as they are, without a copy.
     async fn write_all<S>(&mut self, mut data: S, blob: &BlobRef<'_>) -> Result<()>
     where
         S: Stream<Item = Result<Bytes>> + Send + Unpin,
     {
         let mut offset = 0i64;
-        let mut pending = bytes::BytesMut::new();
-        loop {
-            let next = data.next().await.transpose()?;
-            if let Some(b) = &next {
-                pending.extend_from_slice(b);
-            }
-            while pending.len() >= CHUNK || (next.is_none() && !pending.is_empty()) {
-                let n = pending.len().min(CHUNK);
-                let chunk = pending.split_to(n).freeze();
-                self.send(WriteContentRequest {
-                    action: WriteAction::Write as i32,
-                    offset,
-                    data: chunk.to_vec(),
-                    ..Default::default()
-                })
-                .await?;
-                offset += n as i64;
-                // Drain WRITE acks as we go so the reply side never backs up.
-                self.ack().await?;
-            }
-            if next.is_none() {
-                break;
+        while let Some(mut b) = data.next().await.transpose()? {
+            while !b.is_empty() {
+                let chunk = b.split_to(b.len().min(CHUNK));
+                let n = chunk.len() as i64;
+                // Zero-copy when the chunk owns its whole buffer.
+                self.write_at(offset, Vec::from(chunk)).await?;
+                offset += n;
             }
         }
         if offset != blob.size {
@@ -393,9 +463,28 @@ impl Writer {
         self.commit(blob).await
     }
 
+    /// Sends one WRITE, first reading replies while [`WINDOW`] are unread.
+    async fn write_at(&mut self, offset: i64, data: Vec<u8>) -> Result<()> {
+        while self.unacked >= WINDOW {
+            self.ack().await?;
+        }
+        self.send(WriteContentRequest {
+            action: WriteAction::Write as i32,
+            offset,
+            data,
+            ..Default::default()
+        })
+        .await?;
+        self.unacked += 1;
+        Ok(())
+    }
+
     async fn ack(&mut self) -> Result<()> {
         match self.replies.message().await {
-            Ok(Some(_)) => Ok(()),
+            Ok(Some(_)) => {
+                self.unacked = self.unacked.saturating_sub(1);
+                Ok(())
+            }
             Ok(None) => Err(self.closed()),
             Err(status) => Err(Error::Status {
                 op: self.op.clone(),
@@ -406,6 +495,9 @@ impl Writer {
 
     /// COMMIT with `offset = total` (offset 0 would truncate a shared ingest).
     async fn commit(&mut self, blob: &BlobRef<'_>) -> Result<()> {
+        while self.unacked > 0 {
+            self.ack().await?;
+        }
         self.send(WriteContentRequest {
             action: WriteAction::Commit as i32,
             total: blob.size,
@@ -423,6 +515,24 @@ impl Writer {
         self.done = true;
         self.tx = None; // close our side; the server's duplicate reply is ignored
         Ok(())
+    }
+}
+
+/// Aborts an ingest from a spawned task unless disarmed (`reference: None`).
+struct AbortOnDrop {
+    c: Containerd,
+    ns: String,
+    lease: Option<String>,
+    reference: Option<String>,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        let Some(reference) = self.reference.take() else {
+            return;
+        };
+        let (c, ns, lease) = (self.c.clone(), self.ns.clone(), self.lease.take());
+        tokio::spawn(async move { c.abort_ingest(&ns, lease.as_deref(), &reference).await });
     }
 }
 

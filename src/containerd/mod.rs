@@ -17,6 +17,9 @@ pub use containerd_client::types::Descriptor;
 
 /// containerd's default message limit; our clients accept as much.
 pub const MAX_MESSAGE: usize = 16 << 20;
+/// HTTP/2 receive windows of the bulk read connection.
+const BULK_STREAM_WINDOW: u32 = 2 << 20;
+const BULK_CONNECTION_WINDOW: u32 = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -55,7 +58,28 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Clone, Debug)]
 pub struct Containerd {
     channel: Channel,
+    /// A second connection only for bulk `Content.Read` streams. Read data a
+    /// copy has not consumed yet holds the connection's flow-control window;
+    /// on a shared connection that can starve the WRITE acks the copy is
+    /// waiting for (a deadlock with several concurrent copies).
+    bulk: Channel,
     socket: PathBuf,
+}
+
+fn connect(socket: &Path, windows: Option<(u32, u32)>) -> Channel {
+    let path = socket.to_path_buf();
+    let mut e = Endpoint::from_static("http://localhost");
+    if let Some((stream, conn)) = windows {
+        e = e
+            .initial_stream_window_size(stream)
+            .initial_connection_window_size(conn);
+    }
+    e.connect_with_connector_lazy(tower::service_fn(move |_| {
+        let path = path.clone();
+        async move {
+            Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+        }
+    }))
 }
 
 impl Containerd {
@@ -63,18 +87,13 @@ impl Containerd {
     /// while containerd is down and succeed again once it is back.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         let socket = socket.into();
-        let path = socket.clone();
-        let channel = Endpoint::from_static("http://localhost").connect_with_connector_lazy(
-            tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(TokioIo::new(
-                        tokio::net::UnixStream::connect(path).await?,
-                    ))
-                }
-            }),
-        );
-        Containerd { channel, socket }
+        Containerd {
+            channel: connect(&socket, None),
+            // h2's 64 KiB default windows cap a Content.Read at one window
+            // per round trip; larger ones let containerd keep streaming.
+            bulk: connect(&socket, Some((BULK_STREAM_WINDOW, BULK_CONNECTION_WINDOW))),
+            socket,
+        }
     }
 
     pub fn socket(&self) -> &Path {
@@ -93,6 +112,13 @@ impl Containerd {
 
     pub fn content(&self) -> api::content_client::ContentClient<Channel> {
         api::content_client::ContentClient::new(self.channel())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+
+    /// Content client on the bulk connection, for large `Read` streams.
+    pub fn bulk_content(&self) -> api::content_client::ContentClient<Channel> {
+        api::content_client::ContentClient::new(self.bulk.clone())
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE)
     }

@@ -16,12 +16,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, DeletePolicy, OnFailure};
-use crate::containerd::content::BlobRef;
+use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
 use crate::ops::metrics::{Metrics, Outcome as MetricOutcome};
 use crate::reference::Reference;
@@ -40,6 +41,25 @@ const EXPIRE_LABEL: &str = "containerd.io/gc.expire";
 const CRI_NAMESPACE: &str = "k8s.io";
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
+/// The labels of `want` that `have` lacks or holds with another value.
+fn missing_labels(
+    want: HashMap<String, String>,
+    have: &containerd_client::services::v1::Info,
+) -> HashMap<String, String> {
+    want.into_iter()
+        .filter(|(k, v)| have.labels.get(k) != Some(v))
+        .collect()
+}
+
+/// CRI poll interval: 1 ms while CRI usually catches up, then backing off
+/// so a slow (or failing) CRI is not hammered until `cri_wait` runs out.
+fn cri_poll_delay(waited: Duration) -> Duration {
+    match waited.as_millis() {
+        0..=50 => Duration::from_millis(1),
+        51..=500 => Duration::from_millis(5),
+        _ => Duration::from_millis(25),
+    }
+}
 /// Leases outlive any replication; containerd's GC drops them if we crash.
 const LEASE_TTL: Duration = Duration::from_secs(3600);
 
@@ -132,6 +152,7 @@ pub struct Replicator {
     pending: pending::Pending,
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
+    shared: OnceCell<bool>,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
     /// The runtime replications run on: the one that built the replicator,
     /// not the proxy's connection threads that trigger them.
@@ -143,8 +164,27 @@ pub struct Replicator {
 struct Visit {
     children: Vec<Child>,
     config: Option<String>,
-    writes: usize,
+    write: Option<Write>,
     pending: bool,
+}
+
+/// What a blob needs in the target.
+enum Write {
+    /// Not there (or not asked: `probed` false): link (or copy) it with
+    /// these labels.
+    Link {
+        size: i64,
+        labels: HashMap<String, String>,
+        probed: bool,
+    },
+    /// There, but these labels are missing or differ.
+    Relabel(HashMap<String, String>),
+}
+
+/// A finished unit of [`Replicator::walk`].
+enum Step {
+    Inspected(Child, Result<Visit, ctrd::Error>),
+    Wrote(Result<usize, ctrd::Error>),
 }
 
 impl Replicator {
@@ -156,6 +196,7 @@ impl Replicator {
             pending: pending::Pending::default(),
             nodes: Default::default(),
             cri: OnceCell::new(),
+            shared: OnceCell::new(),
             metrics: std::sync::OnceLock::new(),
             rt: tokio::runtime::Handle::try_current().ok(),
         })
@@ -295,35 +336,78 @@ impl Replicator {
             image: name.into(),
             source_ns: source.into(),
         })?;
+        let mut names = vec![target_name.clone()];
+        if self.s.digest_refs && parsed.digest.is_none() {
+            names.push(parsed.with_digest(&root.digest));
+        }
+        let started = Instant::now();
         let lease = OnceCell::new();
-        let walk = self.walk(source, target, &image.name, &root, &lease).await;
-        let (mut outcome, configs) = match walk {
-            Ok(w) => w,
+        // The target's current records are read while the tree is walked:
+        // both are reads, and the lock keeps our own writers out.
+        let existing =
+            futures_util::future::try_join_all(names.iter().map(|n| self.c.get_image(target, n)));
+        let (walk, existing) = tokio::join!(
+            self.walk(source, target, &image.name, &root, &lease),
+            existing
+        );
+        let ((mut outcome, configs), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
+            Ok(v) => v,
             Err(e) => {
                 self.release(target, &lease).await;
                 return Err(err(e));
             }
         };
-        let mut names = vec![target_name.clone()];
-        if self.s.digest_refs && parsed.digest.is_none() {
-            names.push(parsed.with_digest(&root.digest));
-        }
-        let mut records = Ok(());
-        for n in &names {
-            match self.put_record(source, target, n, &image, &root).await {
-                Ok(w) => outcome.writes += w,
-                Err(e) => {
-                    records = Err(err(e));
-                    break;
-                }
+        let walked = started.elapsed();
+        // Every blob is visible: the tag first, so that CRI handles its
+        // event first; the digest ref and the lease release overlap the wait.
+        let mut existing = existing.into_iter();
+        let tag = self
+            .put_record(
+                source,
+                target,
+                &names[0],
+                &image,
+                &root,
+                existing.next().flatten(),
+            )
+            .await;
+        let recorded = started.elapsed();
+        match tag {
+            Ok(w) => outcome.writes += w,
+            Err(e) => {
+                self.release(target, &lease).await;
+                return Err(err(e));
             }
         }
-        self.release(target, &lease).await;
-        records?;
-        outcome.names = names;
-        if target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0) {
-            self.wait_cri(target, &target_name, &configs).await?;
+        let confirm = target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0);
+        let rest = futures_util::future::join_all(
+            names[1..]
+                .iter()
+                .zip(existing)
+                .map(|(n, e)| self.put_record(source, target, n, &image, &root, e)),
+        );
+        let (rest, _, cri) = tokio::join!(rest, self.release(target, &lease), async {
+            if confirm {
+                self.wait_cri(target, &target_name, &configs).await
+            } else {
+                Ok(0)
+            }
+        });
+        for r in rest {
+            outcome.writes += r.map_err(err)?;
         }
+        let polls = cri?;
+        outcome.names = names;
+        tracing::debug!(
+            image = name,
+            target,
+            writes = outcome.writes,
+            walk_ms = walked.as_secs_f64() * 1e3,
+            record_ms = (recorded - walked).as_secs_f64() * 1e3,
+            cri_ms = (started.elapsed() - recorded).as_secs_f64() * 1e3,
+            cri_polls = polls,
+            "replication phases"
+        );
         if outcome.writes > 0 || outcome.pending > 0 {
             tracing::info!(image = name, source, target, replica = %target_name, writes = outcome.writes, pending = outcome.pending, "replicated");
         }
@@ -341,6 +425,11 @@ impl Replicator {
     /// Walks the tree from `root`, making every present blob visible in
     /// `target` and queueing missing ones. Returns the outcome and the config
     /// digests seen (the image ids CRI may report).
+    ///
+    /// Inspections (reads) and writes share one bounded set of futures: a
+    /// blob's link starts as soon as it is inspected, and its children are
+    /// inspected meanwhile, so a cold tree costs about one round trip per
+    /// level plus containerd's commit rate.
     async fn walk(
         &self,
         source: &str,
@@ -351,63 +440,93 @@ impl Replicator {
     ) -> Result<(Outcome, Vec<String>), ctrd::Error> {
         let mut outcome = Outcome::default();
         let mut configs = Vec::new();
-        let mut queue = vec![Child {
+        // (blob, probe the target first?): children of a blob the target
+        // lacks are most likely missing too, so they are linked straight
+        // away; a link of a present blob just answers ALREADY_EXISTS.
+        let root = Child {
             media_type: root.media_type.clone(),
             digest: root.digest.clone(),
             size: root.size,
-        }];
+        };
+        let mut queue = vec![(root, true)];
         let mut seen = std::collections::HashSet::new();
-        let mut running = FuturesUnordered::new();
+        let mut running: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
         loop {
             while running.len() < PARALLEL {
-                let Some(c) = queue.pop() else { break };
+                let Some((c, probe)) = queue.pop() else { break };
                 if seen.insert(c.digest.clone()) {
-                    running.push(async move {
-                        let v = self.visit(source, target, &c, lease).await;
-                        (c, v)
-                    });
+                    running.push(Box::pin(async move {
+                        let r = self.inspect(source, target, &c, probe).await;
+                        Step::Inspected(c, r)
+                    }));
                 }
             }
-            let Some((child, visit)) = running.next().await else {
+            let Some(step) = running.next().await else {
                 break;
             };
-            let v = visit?;
-            outcome.writes += v.writes;
-            if v.pending {
-                outcome.pending += 1;
-                self.pending.add(pending::Item {
-                    source: source.into(),
-                    target: target.into(),
-                    image: image.into(),
-                    child,
-                    since: Instant::now(),
-                });
+            match step {
+                Step::Inspected(child, r) => {
+                    let v = r?;
+                    if v.pending {
+                        outcome.pending += 1;
+                        self.pending.add(pending::Item {
+                            source: source.into(),
+                            target: target.into(),
+                            image: image.into(),
+                            child: child.clone(),
+                            since: Instant::now(),
+                        });
+                    }
+                    configs.extend(v.config);
+                    let probe = !matches!(v.write, Some(Write::Link { .. }));
+                    queue.extend(v.children.into_iter().map(|c| (c, probe)));
+                    if let Some(w) = v.write {
+                        running.push(Box::pin(async move {
+                            Step::Wrote(self.apply(source, target, &child, w, lease).await)
+                        }));
+                    }
+                }
+                Step::Wrote(r) => outcome.writes += r?,
             }
-            configs.extend(v.config);
-            queue.extend(v.children);
         }
         Ok((outcome, configs))
     }
 
-    /// One blob: present in source? parse children; make visible in target.
-    async fn visit(
+    /// One blob, read-only: present in source? its labels and children, and
+    /// what (if anything) the target needs (not asked unless `probe`). The
+    /// reads run at once.
+    async fn inspect(
         &self,
         source: &str,
         target: &str,
         c: &Child,
-        lease: &OnceCell<String>,
+        probe: bool,
     ) -> Result<Visit, ctrd::Error> {
-        let Some(info) = self.c.content_info(source, &c.digest).await? else {
+        let parent = tree::is_parent(&c.media_type);
+        let (info, in_target, node) = tokio::join!(
+            self.c.content_info(source, &c.digest),
+            async {
+                if probe {
+                    self.c.content_info(target, &c.digest).await.map(Some)
+                } else {
+                    Ok(None)
+                }
+            },
+            async {
+                if parent {
+                    Some(self.node(source, &c.digest).await)
+                } else {
+                    None
+                }
+            }
+        );
+        let Some(info) = info? else {
             return Ok(Visit {
                 pending: true,
                 ..Default::default()
             });
         };
-        let node = if tree::is_parent(&c.media_type) {
-            Some(self.node(source, &c.digest).await?)
-        } else {
-            None
-        };
+        let node = node.transpose()?;
         let mut labels: HashMap<String, String> = info
             .labels
             .into_iter()
@@ -421,35 +540,18 @@ impl Replicator {
             }
         }
         let mut v = Visit::default();
-        match self.c.content_info(target, &c.digest).await? {
-            None => {
-                let id = lease
-                    .get_or_try_init(|| self.c.create_lease(target, LEASE_TTL))
-                    .await?;
-                self.c
-                    .link_or_copy(
-                        source,
-                        target,
-                        Some(id),
-                        BlobRef {
-                            digest: &c.digest,
-                            size: info.size,
-                            labels: &labels,
-                        },
-                    )
-                    .await?;
-                v.writes += 1;
+        match in_target? {
+            Some(None) | None => {
+                v.write = Some(Write::Link {
+                    size: info.size,
+                    labels,
+                    probed: probe,
+                })
             }
-            Some(t) => {
-                let missing: HashMap<_, _> = labels
-                    .into_iter()
-                    .filter(|(k, val)| t.labels.get(k) != Some(val))
-                    .collect();
+            Some(Some(t)) => {
+                let missing = missing_labels(labels, &t);
                 if !missing.is_empty() {
-                    self.c
-                        .update_content_labels(target, &c.digest, &missing)
-                        .await?;
-                    v.writes += 1;
+                    v.write = Some(Write::Relabel(missing));
                 }
             }
         }
@@ -458,6 +560,69 @@ impl Replicator {
             v.children = n.children().cloned().collect();
         }
         Ok(v)
+    }
+
+    /// Performs what [`Self::inspect`] found missing; returns writes made.
+    async fn apply(
+        &self,
+        source: &str,
+        target: &str,
+        c: &Child,
+        w: Write,
+        lease: &OnceCell<String>,
+    ) -> Result<usize, ctrd::Error> {
+        let (size, labels, probed) = match w {
+            Write::Relabel(missing) => {
+                self.c
+                    .update_content_labels(target, &c.digest, &missing)
+                    .await?;
+                return Ok(1);
+            }
+            Write::Link {
+                size,
+                labels,
+                probed,
+            } => (size, labels, probed),
+        };
+        let id = lease
+            .get_or_try_init(|| self.c.create_lease(target, LEASE_TTL))
+            .await?;
+        let blob = BlobRef {
+            digest: &c.digest,
+            size,
+            labels: &labels,
+        };
+        let shared = if self.shared_content().await {
+            self.c.link_shared(target, Some(id), blob.clone()).await?
+        } else {
+            None
+        };
+        let linked = match shared {
+            Some(l) => l,
+            None => self.c.link_or_copy(source, target, Some(id), blob).await?,
+        };
+        if linked == Linked::Present && !probed {
+            // Linked unseen, but it was there: its labels were not checked.
+            if let Some(t) = self.c.content_info(target, &c.digest).await? {
+                let missing = missing_labels(labels, &t);
+                if !missing.is_empty() {
+                    self.c
+                        .update_content_labels(target, &c.digest, &missing)
+                        .await?;
+                }
+            }
+        }
+        Ok(1)
+    }
+
+    /// Whether containerd shares content across namespaces (asked once):
+    /// then a blob is linked with a single COMMIT message.
+    async fn shared_content(&self) -> bool {
+        let r = self
+            .shared
+            .get_or_try_init(|| async { self.c.sharing_policy().await.map(|p| p == "shared") })
+            .await;
+        matches!(r, Ok(true))
     }
 
     /// Parsed index/manifest, cached by digest (content is immutable).
@@ -490,8 +655,8 @@ impl Replicator {
         name: &str,
         image: &Image,
         root: &Descriptor,
+        existing: Option<Image>,
     ) -> Result<usize, ctrd::Error> {
-        let existing = self.c.get_image(target, name).await?;
         let mut labels: HashMap<String, String> = image
             .labels
             .iter()
@@ -547,25 +712,28 @@ impl Replicator {
     }
 
     /// Polls CRI until `name` resolves to one of `configs` (any id if the
-    /// config is not known yet).
-    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> Result<(), Error> {
+    /// config is not known yet); returns the number of polls. CRI follows
+    /// containerd's events a few ms behind the record, so the first poll is
+    /// immediate and the next ones come every millisecond before backing off.
+    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> Result<usize, Error> {
         let has_cri = *self
             .cri
             .get_or_init(|| async { self.c.has_cri().await.unwrap_or(false) })
             .await;
         if !has_cri || configs.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let started = Instant::now();
         let deadline = started + self.s.cri_wait;
-        let mut delay = Duration::from_millis(1);
+        let mut polls = 0;
         loop {
+            polls += 1;
             match self.c.cri_image_id(name).await {
                 Ok(Some(id)) if configs.contains(&id) => {
                     if let Some(m) = self.metrics() {
                         m.cri_wait(started.elapsed());
                     }
-                    return Ok(());
+                    return Ok(polls);
                 }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
@@ -578,8 +746,7 @@ impl Replicator {
                     after: self.s.cri_wait,
                 });
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(25));
+            tokio::time::sleep(cri_poll_delay(started.elapsed())).await;
         }
     }
 
