@@ -124,6 +124,22 @@ fn stats(v: &[Duration]) -> (f64, f64, f64) {
     (median, p90, s[0])
 }
 
+/// The imgbridge under test (`--proxy`) and, with `--baseline`, another
+/// build run as one more variant; both checked to answer.
+async fn proxies(a: &Args) -> Res<(Containerd, Option<Containerd>)> {
+    let proxy = Containerd::new(a.req("proxy")?);
+    proxy.version().await?;
+    let baseline = match a.get("baseline") {
+        Some(b) => {
+            let b = Containerd::new(b);
+            b.version().await?;
+            Some(b)
+        }
+        None => None,
+    };
+    Ok((proxy, baseline))
+}
+
 async fn source_image(c: &Containerd, name: &str) -> Res<(Image, Descriptor)> {
     let img = c
         .get_image(SOURCE, name)
@@ -152,16 +168,7 @@ async fn create_record(c: &Containerd, ns: &str, name: &str, target: &Descriptor
 /// record), with the blob list and labels precomputed. `--baseline SOCK`
 /// adds a second imgbridge (another build) as one more variant.
 async fn create(a: &Args, c: &Containerd) -> Res<()> {
-    let proxy = Containerd::new(a.req("proxy")?);
-    proxy.version().await?;
-    let baseline = match a.get("baseline") {
-        Some(b) => {
-            let b = Containerd::new(b);
-            b.version().await?;
-            Some(b)
-        }
-        None => None,
-    };
+    let (proxy, baseline) = proxies(a).await?;
     let (_, target) = source_image(c, a.req("image")?).await?;
     let rounds = a.num("rounds", 20)?;
     let cold = a.flags.contains("cold");
@@ -407,16 +414,7 @@ async fn delete_raw(c: &Containerd, blobs: &[(Vec<u8>, String)]) -> Res<()> {
 /// A3: byte copy by replication vs raw Content.Write of as many bytes;
 /// `--baseline SOCK` adds a second imgbridge as one more variant.
 async fn isolated(a: &Args, c: &Containerd) -> Res<()> {
-    let proxy = Containerd::new(a.req("proxy")?);
-    proxy.version().await?;
-    let baseline = match a.get("baseline") {
-        Some(b) => {
-            let b = Containerd::new(b);
-            b.version().await?;
-            Some(b)
-        }
-        None => None,
-    };
+    let (proxy, baseline) = proxies(a).await?;
     let policy = c.sharing_policy().await?;
     let (_, target) = source_image(c, a.req("image")?).await?;
     let sizes = tree_blobs(c, SOURCE, &target).await?;
