@@ -1320,13 +1320,13 @@ mod tests {
         (head, p)
     }
 
-    fn start(
-        rules: Rules,
-    ) -> (
-        UnixStream,
-        UnixStream,
-        tokio::task::JoinHandle<Result<(), SpliceError>>,
-    ) {
+    type Task = tokio::task::JoinHandle<Result<(), SpliceError>>;
+
+    fn start(rules: Rules) -> (UnixStream, UnixStream, Task) {
+        start_with(rules, CancellationToken::new())
+    }
+
+    fn start_with(rules: Rules, drain: CancellationToken) -> (UnixStream, UnixStream, Task) {
         let (client, proxy_down) = UnixStream::pair().unwrap();
         let (proxy_up, server) = UnixStream::pair().unwrap();
         let ctx = Arc::new(Ctx {
@@ -1334,7 +1334,7 @@ mod tests {
             observer: None,
             upstream: "/run/test.sock".into(),
         });
-        let task = tokio::spawn(run(proxy_down, proxy_up, ctx, CancellationToken::new()));
+        let task = tokio::spawn(run(proxy_down, proxy_up, ctx, drain));
         (client, server, task)
     }
 
@@ -1464,5 +1464,124 @@ mod tests {
             order,
             [(3, h.0), (3, h.1), (3, h.0), (1, h.0), (1, h.1), (1, h.0)]
         );
+    }
+
+    #[tokio::test]
+    async fn containerd_lost_mid_call_answers_unavailable_naming_the_socket() {
+        let rules = Rules {
+            fail: false,
+            gate: Arc::new(Notify::new()),
+            wait: AtomicBool::new(false),
+        };
+        let (mut client, mut server, task) = start(rules);
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        client.write_all(&sent).await.unwrap();
+        let mut got = vec![0; sent.len()];
+        server.read_exact(&mut got).await.unwrap();
+        drop(server); // containerd dies with the call in flight
+
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 1));
+        assert!(h.has(frames::END_STREAM));
+        let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
+        assert!(
+            fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())),
+            "{fields:?}"
+        );
+        let msg = fields.iter().find(|(n, _)| n == b"grpc-message").unwrap();
+        assert!(
+            String::from_utf8_lossy(&msg.1).contains("/run/test.sock"),
+            "{msg:?}"
+        );
+        let (h, _) = read_frame(&mut client).await;
+        assert_eq!(
+            h.kind,
+            frames::GOAWAY,
+            "the client is sent to a new connection"
+        );
+
+        // A call that was already on its way is answered the same way.
+        client.write_all(&request(3, "/t.S/Plain")).await.unwrap();
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 3));
+        let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
+        assert!(fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())));
+        drop(client);
+        tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("splice ends once the client hangs up")
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn drain_finishes_calls_in_flight_and_refuses_new_ones() {
+        let drain = CancellationToken::new();
+        let rules = Rules {
+            fail: false,
+            gate: Arc::new(Notify::new()),
+            wait: AtomicBool::new(false),
+        };
+        let (mut client, mut server, task) = start_with(rules, drain.clone());
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        client.write_all(&sent).await.unwrap();
+        let mut got = vec![0; sent.len()];
+        server.read_exact(&mut got).await.unwrap();
+
+        drain.cancel();
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frames::GOAWAY);
+        assert_eq!(
+            &p[..4],
+            &1u32.to_be_bytes(),
+            "calls up to stream 1 still run"
+        );
+
+        // A call the client opened before it saw GOAWAY: refused both ways.
+        let late = request(3, "/t.S/Plain");
+        client.write_all(&late).await.unwrap();
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!(
+            (h.kind, h.stream, &p[..]),
+            (frames::RST_STREAM, 3, &7u32.to_be_bytes()[..])
+        );
+        let mut got = vec![0; late.len()];
+        server.read_exact(&mut got).await.unwrap();
+        let (h, _) = read_frame(&mut server).await;
+        assert_eq!(
+            (h.kind, h.stream),
+            (frames::RST_STREAM, 3),
+            "containerd drops it too"
+        );
+
+        // The call in flight completes, then the splice closes.
+        let mut reply = frame(
+            frames::HEADERS,
+            frames::END_HEADERS,
+            1,
+            &block(&[(":status", "200")]),
+        );
+        reply.extend(frame(frames::DATA, 0, 1, &MSG));
+        reply.extend(frame(
+            frames::HEADERS,
+            frames::END_HEADERS | frames::END_STREAM,
+            1,
+            &block(&[("grpc-status", "0")]),
+        ));
+        server.write_all(&reply).await.unwrap();
+        let mut kinds = Vec::new();
+        for _ in 0..3 {
+            kinds.push(read_frame(&mut client).await.0.kind);
+        }
+        assert_eq!(kinds, [frames::HEADERS, frames::DATA, frames::HEADERS]);
+        tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("splice ends after the last call")
+            .unwrap()
+            .unwrap();
     }
 }
