@@ -495,17 +495,36 @@ async fn containerd_restart_fails_fast_then_serves_again() {
         "must fail fast, took {:?}",
         t.elapsed()
     );
+    // A client that connects while containerd is down is answered by the
+    // fallback (hyper) path, naming the socket too.
+    let mut late = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
+    let e = late.version(()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains(c.socket().to_str().unwrap()), "{e:?}");
     c.restart();
-    // Same client connection, no reconnect on the client side.
-    let ok = poll_async(Duration::from_secs(10), || {
-        let mut v = v.clone();
-        async move { v.version(()).await.ok() }
-    })
-    .await;
+    for client in [&v, &late] {
+        let ok = poll_async(Duration::from_secs(10), || {
+            let mut v = client.clone();
+            async move { v.version(()).await.ok() }
+        })
+        .await;
+        assert!(
+            ok.is_some(),
+            "proxy did not serve again after containerd came back"
+        );
+    }
+    // The fallback connection is sent away (GOAWAY) once containerd answers;
+    // the client's next connection is spliced.
     assert!(
-        ok.is_some(),
-        "proxy did not serve again after containerd came back"
+        poll(Duration::from_secs(5), || p
+            .log()
+            .contains("moving the client to a spliced connection")
+            .then_some(()))
+        .is_some(),
+        "fallback connection was not moved:\n{}",
+        p.log_tail()
     );
+    late.version(()).await.expect("served after the move");
 }
 
 #[test]

@@ -36,7 +36,6 @@ use http_body_util::{BodyExt, Either, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -91,7 +90,6 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ProxyError> {
     let upstream_path = Arc::new(config.upstream.clone());
-    let graceful = GracefulShutdown::new();
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder.timer(TokioTimer::new());
     config.tuning.server(&mut builder);
@@ -136,8 +134,9 @@ pub async fn serve(
             upstream: Upstream::new(upstream_path.clone(), config.tuning),
             interceptor: interceptor.clone(),
             observer: config.observer.clone(),
+            upstream_back: tokio::sync::Notify::new(),
         });
-        let (builder, tuning, watcher) = (builder.clone(), config.tuning, graceful.watcher());
+        let (builder, tuning) = (builder.clone(), config.tuning);
         let (ctx, drain, up_path) = (splice_ctx.clone(), drain.clone(), upstream_path.clone());
         shards.spawn(tracker.track_future(async move {
             let stream = match UnixStream::from_std(stream) {
@@ -159,11 +158,28 @@ pub async fn serve(
                 return;
             }
             // containerd is down: an HTTP/2 server answers UNAVAILABLE
-            // naming the socket, and forwards again once it is back.
+            // naming the socket, and forwards again once it is back. Then
+            // GOAWAY moves the client to a new connection, which is spliced
+            // (kubelet, say, would otherwise keep this slower one for days).
+            let back = conn.clone();
             let svc = service_fn(move |req| conn.clone().handle(req));
             let io = TokioIo::new(tuning.server_io(stream));
-            if let Err(e) = watcher.watch(builder.serve_connection(io, svc)).await {
-                // Clients routinely reset when they exit; not worth more than debug.
+            let served = builder.serve_connection(io, svc);
+            tokio::pin!(served);
+            let why = tokio::select! {
+                r = served.as_mut() => {
+                    if let Err(e) = r {
+                        // Clients routinely reset when they exit; not worth more than debug.
+                        tracing::debug!(peer = %peer, error = %e, "client connection ended");
+                    }
+                    return;
+                }
+                _ = back.upstream_back.notified() => "containerd is back; moving the client to a spliced connection",
+                _ = drain.cancelled() => "draining",
+            };
+            tracing::debug!(peer = %peer, "{why}");
+            served.as_mut().graceful_shutdown();
+            if let Err(e) = served.await {
                 tracing::debug!(peer = %peer, error = %e, "client connection ended");
             }
         }));
@@ -172,11 +188,7 @@ pub async fn serve(
     tracing::info!("shutting down: draining in-flight calls");
     drain.cancel();
     tracker.close();
-    let drained = async {
-        graceful.shutdown().await;
-        tracker.wait().await;
-    };
-    if tokio::time::timeout(config.drain_timeout, drained)
+    if tokio::time::timeout(config.drain_timeout, tracker.wait())
         .await
         .is_err()
     {
@@ -193,11 +205,14 @@ fn peer_label(s: &UnixStream) -> String {
     }
 }
 
-/// State of one downstream connection.
+/// State of one downstream connection served by hyper (containerd was
+/// down when it was accepted).
 struct Connection {
     upstream: Upstream,
     interceptor: Arc<dyn Interceptor>,
     observer: Option<Arc<dyn CallObserver>>,
+    /// Signalled when a call reached containerd again.
+    upstream_back: tokio::sync::Notify,
 }
 
 impl Connection {
@@ -245,6 +260,7 @@ impl Connection {
             tracing::warn!(error = %e, "upstream unavailable");
             unavailable(&e.to_string())
         })?;
+        self.upstream_back.notify_one();
         sender.send_request(req).await.map_err(|e| {
             tracing::warn!(upstream = %self.upstream.path().display(), error = %e, "upstream call failed");
             unavailable(&format!(
