@@ -18,6 +18,15 @@ use serde_json::json;
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";
 
+/// CRI on, `content_sharing_policy = "isolated"`: blobs must be copied.
+fn isolated() -> ContainerdOpts {
+    ContainerdOpts {
+        cri: true,
+        isolated: true,
+        ..Default::default()
+    }
+}
+
 fn cri() -> ContainerdOpts {
     ContainerdOpts {
         cri: true,
@@ -262,11 +271,7 @@ async fn buildkit_sequence_update_notfound_create() {
 
 #[tokio::test]
 async fn isolated_content_sharing_copies_bytes() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        isolated: true,
-        ..Default::default()
-    });
+    let c = Containerd::start(isolated());
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::hello("iso:1");
     import_via(p.socket(), SRC, &img.docker_archive());
@@ -320,11 +325,7 @@ async fn isolated_content_sharing_copies_bytes() {
 /// one shared HTTP/2 connection until the replication timed out).
 #[tokio::test]
 async fn isolated_concurrent_large_copies_complete() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        isolated: true,
-        ..Default::default()
-    });
+    let c = Containerd::start(isolated());
     let p = Imgbridge::start(c.socket(), &[]);
     let img = TestImage::build("isobig:1", 4, &[], 12 << 20);
     let started = Instant::now();

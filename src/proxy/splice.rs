@@ -1261,6 +1261,17 @@ mod tests {
         wait: AtomicBool,
     }
 
+    impl Rules {
+        /// Hooks on `/t.S/Held` that fail or pass, after `gate` if `wait`.
+        fn new(fail: bool, wait: bool, gate: Arc<Notify>) -> Rules {
+            Rules {
+                fail,
+                gate,
+                wait: AtomicBool::new(wait),
+            }
+        }
+    }
+
     impl Interceptor for Rules {
         fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
             if call.method != "/t.S/Held" {
@@ -1340,37 +1351,46 @@ mod tests {
 
     const MSG: [u8; 5] = [0, 0, 0, 0, 0];
 
+    /// containerd's OK reply to a unary call: headers, one message, trailers.
+    fn ok_reply(stream: u32) -> Vec<u8> {
+        let mut r = frame(
+            frames::HEADERS,
+            frames::END_HEADERS,
+            stream,
+            &block(&[(":status", "200")]),
+        );
+        r.extend(frame(frames::DATA, 0, stream, &MSG));
+        let t = block(&[("grpc-status", "0")]);
+        r.extend(frame(
+            frames::HEADERS,
+            frames::END_HEADERS | frames::END_STREAM,
+            stream,
+            &t,
+        ));
+        r
+    }
+
+    /// Writes `sent` as the client and returns what containerd received.
+    async fn relay(client: &mut UnixStream, server: &mut UnixStream, sent: &[u8]) -> Vec<u8> {
+        client.write_all(sent).await.unwrap();
+        let mut got = vec![0; sent.len()];
+        server.read_exact(&mut got).await.unwrap();
+        got
+    }
+
     #[tokio::test]
     async fn reply_before_end_stream_still_runs_the_hook_and_its_error_wins() {
-        let rules = Rules {
-            fail: true,
-            gate: Arc::new(Notify::new()),
-            wait: AtomicBool::new(false),
-        };
+        let rules = Rules::new(true, false, Arc::new(Notify::new()));
         let (mut client, mut server, _task) = start(rules);
         let mut sent = frames::PREFACE.to_vec();
         sent.extend(frame(4, 0, 0, &[]));
         sent.extend(request(1, "/t.S/Held"));
         sent.extend(frame(frames::DATA, 0, 1, &MSG));
-        client.write_all(&sent).await.unwrap();
-        let mut got = vec![0; sent.len()];
-        server.read_exact(&mut got).await.unwrap();
+        let got = relay(&mut client, &mut server, &sent).await;
         assert_eq!(got, sent, "client frames reach containerd byte for byte");
 
         // grpc-go replies once it has the message, before END_STREAM.
-        let mut reply = frame(
-            frames::HEADERS,
-            frames::END_HEADERS,
-            1,
-            &block(&[(":status", "200")]),
-        );
-        reply.extend(frame(frames::DATA, 0, 1, &MSG));
-        reply.extend(frame(
-            frames::HEADERS,
-            frames::END_HEADERS | frames::END_STREAM,
-            1,
-            &block(&[("grpc-status", "0")]),
-        ));
+        let reply = ok_reply(1);
         server.write_all(&reply).await.unwrap();
         client
             .write_all(&frame(frames::DATA, frames::END_STREAM, 1, &[]))
@@ -1398,20 +1418,14 @@ mod tests {
     #[tokio::test]
     async fn held_reply_released_after_later_replies_decodes_with_one_hpack_state() {
         let gate = Arc::new(Notify::new());
-        let rules = Rules {
-            fail: false,
-            gate: gate.clone(),
-            wait: AtomicBool::new(true),
-        };
+        let rules = Rules::new(false, true, gate.clone());
         let (mut client, mut server, _task) = start(rules);
         let mut sent = frames::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Held"));
         sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
         sent.extend(request(3, "/t.S/Plain"));
         sent.extend(frame(frames::DATA, frames::END_STREAM, 3, &MSG));
-        client.write_all(&sent).await.unwrap();
-        let mut got = vec![0; sent.len()];
-        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
         // containerd's encoder indexes: the second block refers to entries
         // the first one (the held reply) inserted.
@@ -1468,18 +1482,12 @@ mod tests {
 
     #[tokio::test]
     async fn containerd_lost_mid_call_answers_unavailable_naming_the_socket() {
-        let rules = Rules {
-            fail: false,
-            gate: Arc::new(Notify::new()),
-            wait: AtomicBool::new(false),
-        };
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
         let (mut client, mut server, task) = start(rules);
         let mut sent = frames::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Plain"));
         sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
-        client.write_all(&sent).await.unwrap();
-        let mut got = vec![0; sent.len()];
-        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         drop(server); // containerd dies with the call in flight
 
         let (h, p) = read_frame(&mut client).await;
@@ -1519,18 +1527,12 @@ mod tests {
     #[tokio::test]
     async fn drain_finishes_calls_in_flight_and_refuses_new_ones() {
         let drain = CancellationToken::new();
-        let rules = Rules {
-            fail: false,
-            gate: Arc::new(Notify::new()),
-            wait: AtomicBool::new(false),
-        };
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
         let (mut client, mut server, task) = start_with(rules, drain.clone());
         let mut sent = frames::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Plain"));
         sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
-        client.write_all(&sent).await.unwrap();
-        let mut got = vec![0; sent.len()];
-        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
         drain.cancel();
         let (h, p) = read_frame(&mut client).await;
@@ -1559,19 +1561,7 @@ mod tests {
         );
 
         // The call in flight completes, then the splice closes.
-        let mut reply = frame(
-            frames::HEADERS,
-            frames::END_HEADERS,
-            1,
-            &block(&[(":status", "200")]),
-        );
-        reply.extend(frame(frames::DATA, 0, 1, &MSG));
-        reply.extend(frame(
-            frames::HEADERS,
-            frames::END_HEADERS | frames::END_STREAM,
-            1,
-            &block(&[("grpc-status", "0")]),
-        ));
+        let reply = ok_reply(1);
         server.write_all(&reply).await.unwrap();
         let mut kinds = Vec::new();
         for _ in 0..3 {
