@@ -136,6 +136,30 @@ pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) 
     }
 }
 
+/// The HEADERS (+ CONTINUATION) frames of a block that `fill` encodes
+/// straight into `out` behind a placeholder frame header; only a block that
+/// outgrows one frame is copied to be split.
+pub fn header_frames<R>(
+    stream: u32,
+    end_stream: bool,
+    out: &mut BytesMut,
+    fill: impl FnOnce(&mut BytesMut) -> R,
+) -> R {
+    let start = out.len();
+    put_head(out, 0, HEADERS, 0, stream);
+    let r = fill(out);
+    let len = out.len() - start - HEADER_LEN;
+    if len <= EMIT_PAYLOAD {
+        out[start..start + 3].copy_from_slice(&(len as u32).to_be_bytes()[1..]);
+        out[start + 4] = END_HEADERS | if end_stream { END_STREAM } else { 0 };
+    } else {
+        let block = out.split_off(start + HEADER_LEN);
+        out.truncate(start);
+        headers(stream, &block, end_stream, out);
+    }
+    r
+}
+
 /// DATA frames carrying `payload` (at least one frame, so END_STREAM fits).
 pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
     let mut chunks = payload.chunks(EMIT_PAYLOAD).peekable();
@@ -230,6 +254,30 @@ mod tests {
         let h3 = Head::parse(&out[18 + 2 * EMIT_PAYLOAD..]);
         assert_eq!((h3.kind, h3.len, h3.flags), (CONTINUATION, 5, END_HEADERS));
         assert_eq!(out.len(), 27 + block.len());
+    }
+
+    #[test]
+    fn header_frames_patch_small_blocks_and_split_large_ones() {
+        let mut small = BytesMut::new();
+        header_frames(5, true, &mut small, |b| encode_field(b, b":status", b"200"));
+        assert_eq!(
+            Head::parse(&small),
+            Head {
+                len: 1,
+                kind: HEADERS,
+                flags: END_HEADERS | END_STREAM,
+                stream: 5
+            }
+        );
+        assert_eq!(&small[9..], &[0x88]);
+        let value = vec![b'v'; EMIT_PAYLOAD];
+        let mut large = BytesMut::from(&b"prefix"[..]);
+        header_frames(7, false, &mut large, |b| encode_field(b, b"x", &value));
+        let mut direct = BytesMut::from(&b"prefix"[..]);
+        let mut block = BytesMut::new();
+        encode_field(&mut block, b"x", &value);
+        headers(7, &block, false, &mut direct);
+        assert_eq!(large, direct);
     }
 
     #[test]

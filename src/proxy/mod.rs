@@ -220,7 +220,8 @@ impl Connection {
         self: Arc<Self>,
         req: Request<Incoming>,
     ) -> Result<Response<Observed<ProxyBody>>, Infallible> {
-        let guard = (self.observer.as_ref()).map(|o| CallGuard::new(o.clone(), req.uri().path()));
+        let guard = (self.observer.as_ref())
+            .map(|o| CallGuard::new(o.clone(), req.uri().path().to_owned()));
         let call = CallInfo {
             method: req.uri().path().to_owned(),
             namespace: req

@@ -41,11 +41,11 @@ pub struct CallGuard {
 }
 
 impl CallGuard {
-    pub fn new(observer: Arc<dyn CallObserver>, method: &str) -> CallGuard {
+    pub fn new(observer: Arc<dyn CallObserver>, method: String) -> CallGuard {
         observer.call_started();
         CallGuard {
             observer,
-            method: method.to_owned(),
+            method,
             status: None,
         }
     }
@@ -171,7 +171,7 @@ mod tests {
     #[tokio::test]
     async fn counts_data_and_reads_trailers_once() {
         let log = Arc::new(Log::default());
-        let guard = CallGuard::new(log.clone(), "/m");
+        let guard = CallGuard::new(log.clone(), "/m".into());
         let body = Observed::new(
             Replay::new(Bytes::from_static(b"hello"), Some(trailers("0"))),
             &HeaderMap::new(),
@@ -192,7 +192,7 @@ mod tests {
         let body = Observed::new(
             Replay::default(),
             &trailers("5"),
-            Some(CallGuard::new(log.clone(), "/nf")),
+            Some(CallGuard::new(log.clone(), "/nf".into())),
         );
         assert!(body.is_end_stream());
         drop(body);
@@ -200,7 +200,7 @@ mod tests {
         let body = Observed::new(
             Replay::new(Bytes::from_static(b"x"), Some(trailers("0"))),
             &HeaderMap::new(),
-            Some(CallGuard::new(log.clone(), "/gone")),
+            Some(CallGuard::new(log.clone(), "/gone".into())),
         );
         drop(body);
         assert_eq!(

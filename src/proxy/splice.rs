@@ -560,8 +560,9 @@ struct Call {
     refused: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Before {
+    #[default]
     NotWanted,
     /// Request DATA is parked until the whole request is in.
     Collecting,
@@ -590,6 +591,7 @@ impl Hasher for StreamIdHasher {
 
 /// An intercepted call: request copied as it passes, reply held until the
 /// hook has run.
+#[derive(Default)]
 struct Held {
     hook: Option<Box<dyn Hook>>,
     method: String,
@@ -639,10 +641,6 @@ enum Outcome {
     },
 }
 
-fn decoder() -> Decoder {
-    Decoder::new(MAX_TABLE)
-}
-
 fn malformed(side: Side, e: impl fmt::Display) -> SpliceError {
     SpliceError::Malformed(side, e.to_string())
 }
@@ -652,8 +650,8 @@ impl State {
         State {
             ctx,
             calls: HashMap::default(),
-            client_dec: decoder(),
-            server_dec: decoder(),
+            client_dec: Decoder::new(MAX_TABLE),
+            server_dec: Decoder::new(MAX_TABLE),
             hooks: FuturesUnordered::new(),
             hooks_added: false,
             last_stream: 0,
@@ -802,7 +800,7 @@ impl State {
                 }
                 _ => {}
             })
-            .map_err(|e| SpliceError::Hpack(Side::Client, e.to_string()))?;
+            .map_err(|e| hpack_error(Side::Client, e))?;
         if self.calls.contains_key(&stream) {
             // Request trailers.
             if end_stream {
@@ -846,22 +844,10 @@ impl State {
                 },
                 hook: Some(hook),
                 method: info.method.clone(),
-                request: BytesMut::new(),
-                request_done: false,
-                parked: Vec::new(),
-                parked_flow: 0,
-                head: None,
-                head_end: false,
-                data: BytesMut::new(),
-                data_flow: 0,
-                data_end: false,
-                trailers: None,
-                response_done: false,
-                after_running: false,
-                reset: None,
+                ..Held::default()
             })
         });
-        let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), &info.method));
+        let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), info.method));
         self.calls.insert(
             stream,
             Call {
@@ -884,8 +870,6 @@ impl State {
         up: &mut VecDeque<Bytes>,
         down: &mut VecDeque<Bytes>,
     ) -> Result<(), SpliceError> {
-        let hpack =
-            |e: super::hpack::HpackError| SpliceError::Hpack(Side::Containerd, e.to_string());
         let (held, refused) = self
             .calls
             .get(&stream)
@@ -896,7 +880,7 @@ impl State {
                 .decode(block, |n, v| {
                     fields.push((Bytes::copy_from_slice(n), Bytes::copy_from_slice(v)))
                 })
-                .map_err(hpack)?;
+                .map_err(|e| hpack_error(Side::Containerd, e))?;
             let held = (self.calls.get_mut(&stream))
                 .and_then(|c| c.held.as_mut())
                 .expect("checked above");
@@ -913,15 +897,17 @@ impl State {
             return Ok(());
         }
         let mut status = None;
-        let mut out = BytesMut::with_capacity(block.len() + 64);
-        (self.server_dec)
-            .decode(block, |n, v| {
+        let mut frame = BytesMut::with_capacity(block.len() + 64);
+        let dec = &mut self.server_dec;
+        frames::header_frames(stream, end_stream, &mut frame, |out| {
+            dec.decode(block, |n, v| {
                 if n == b"grpc-status" {
                     status = std::str::from_utf8(v).ok().and_then(|s| s.parse().ok());
                 }
-                frames::encode_field(&mut out, n, v);
+                frames::encode_field(out, n, v);
             })
-            .map_err(hpack)?;
+        })
+        .map_err(|e| hpack_error(Side::Containerd, e))?;
         if let Some(c) = self.calls.get_mut(&stream) {
             if let Some(g) = c.guard.as_mut() {
                 g.set_status(status);
@@ -931,8 +917,6 @@ impl State {
             self.calls.remove(&stream);
         }
         if !refused {
-            let mut frame = BytesMut::with_capacity(out.len() + 2 * HEADER_LEN);
-            frames::headers(stream, &out, end_stream, &mut frame);
             down.push_back(frame.freeze());
         }
         Ok(())
@@ -1130,13 +1114,13 @@ impl State {
         };
         let mut out = BytesMut::new();
         if let Some(head) = &held.head {
-            frames::headers(stream, &encode(head), held.head_end, &mut out);
+            frames::header_frames(stream, held.head_end, &mut out, |b| encode(b, head));
         }
         if !held.data.is_empty() || held.data_end {
             frames::data(stream, &held.data, held.data_end, &mut out);
         }
         if let Some(t) = &held.trailers {
-            frames::headers(stream, &encode(t), true, &mut out);
+            frames::header_frames(stream, true, &mut out, |b| encode(b, t));
         }
         down.push_back(out.freeze());
         down.extend(held.reset.clone());
@@ -1218,12 +1202,14 @@ fn credit_back(held: &Held, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>
     }
 }
 
-fn encode(fields: &[(Bytes, Bytes)]) -> BytesMut {
-    let mut b = BytesMut::new();
+fn encode(out: &mut BytesMut, fields: &[(Bytes, Bytes)]) {
     for (n, v) in fields {
-        frames::encode_field(&mut b, n, v);
+        frames::encode_field(out, n, v);
     }
-    b
+}
+
+fn hpack_error(side: Side, e: super::hpack::HpackError) -> SpliceError {
+    SpliceError::Hpack(side, e.to_string())
 }
 
 /// A Trailers-Only gRPC error reply on `stream`.
@@ -1236,12 +1222,12 @@ fn error_reply(stream: u32, code: tonic::Code, message: &str) -> Bytes {
         (b"grpc-status", code.as_bytes()),
         (b"grpc-message", message.as_bytes()),
     ];
-    let mut block = BytesMut::new();
-    for (n, v) in fields {
-        frames::encode_field(&mut block, n, v);
-    }
     let mut out = BytesMut::new();
-    frames::headers(stream, &block, true, &mut out);
+    frames::header_frames(stream, true, &mut out, |b| {
+        for (n, v) in fields {
+            frames::encode_field(b, n, v);
+        }
+    });
     out.freeze()
 }
 
