@@ -8,6 +8,7 @@ pub mod app;
 pub mod config;
 pub mod containerd;
 pub mod import;
+pub mod labels;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;

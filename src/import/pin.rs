@@ -19,14 +19,8 @@ use sha2::{Digest as _, Sha256};
 
 use crate::containerd::{Containerd, Descriptor, Image, Result};
 
-/// CRI's pin label (honoured by containerd ≥ 1.6.22 / 1.7.3).
-pub const PINNED: &str = "io.cri-containerd.pinned";
-pub const PINNED_VALUE: &str = "pinned";
-/// Sources that pinned the image (comma list of [`path_hash`]es).
-pub const IMPORT: &str = "io.imgbridge.import";
-/// CRI marks records it manages; cleared when we move the target so CRI
-/// re-reads the image (reference §5).
-pub const CRI_MANAGED: &str = "io.cri-containerd.image";
+use crate::labels::{pin_owner, PinOwner};
+pub use crate::labels::{CRI_MANAGED, IMPORT, PINNED, PINNED_VALUE};
 /// containerd's limit on a label's key plus value.
 const LABEL_MAX: usize = 4096;
 
@@ -59,11 +53,6 @@ pub fn format_sources(set: &BTreeSet<String>) -> String {
         out.push_str(s);
     }
     out
-}
-
-/// Whether someone other than imgbridge pinned this image.
-fn pinned_by_other(img: &Image) -> bool {
-    img.labels.contains_key(PINNED) && !img.labels.contains_key(IMPORT)
 }
 
 /// Writes (or moves) the record `name` → `target` in `ns`, keeping every
@@ -134,7 +123,9 @@ pub async fn record(
 /// The label changes that pin `img` for `source`, or `None` if there is
 /// nothing to do (already pinned by it, or pinned by someone else).
 fn pin_labels(img: &Image, source: &str) -> Option<HashMap<String, String>> {
-    if pinned_by_other(img) {
+    // A pin of the replicator's is taken over (it then stays while files
+    // need it); anyone else's is left alone.
+    if pin_owner(&img.labels) == PinOwner::Other {
         return None;
     }
     let mut set = sources(img).unwrap_or_default();

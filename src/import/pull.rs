@@ -17,7 +17,7 @@ use crate::containerd::Containerd;
 use crate::reference::{self, ReferenceError};
 
 /// CRI always pulls into this namespace.
-pub const CRI_NAMESPACE: &str = "k8s.io";
+pub use crate::labels::CRI_NAMESPACE;
 /// A pull list larger than this is not a pull list.
 pub const MAX_LIST_BYTES: u64 = 1 << 20;
 const BACKOFF_BASE: Duration = Duration::from_secs(1);

@@ -28,17 +28,9 @@ use crate::ops::metrics::{Metrics, Outcome as MetricOutcome};
 use crate::reference::Reference;
 use tree::Child;
 
-/// Label naming the namespace a replica came from; only such records are
-/// ever unpinned or deleted by imgbridge.
-pub const SOURCE_LABEL: &str = "io.imgbridge.source";
-pub const PINNED_LABEL: &str = "io.cri-containerd.pinned";
-/// Set by CRI once it manages a record; cleared when the digest changes so
-/// CRI re-manages it and creates the new `sha256:<config>` record.
-pub const CRI_MANAGED_LABEL: &str = "io.cri-containerd.image";
-/// Label the directory importer puts on what it pinned.
-pub const IMPORT_LABEL: &str = "io.imgbridge.import";
-const EXPIRE_LABEL: &str = "containerd.io/gc.expire";
-const CRI_NAMESPACE: &str = "k8s.io";
+use crate::labels::{
+    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, EXPIRE, IMPORT, PINNED, PINNED_VALUE, SOURCE,
+};
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
 /// The labels of `want` that `have` lacks or holds with another value.
@@ -530,7 +522,7 @@ impl Replicator {
         let mut labels: HashMap<String, String> = info
             .labels
             .into_iter()
-            .filter(|(k, _)| k != EXPIRE_LABEL)
+            .filter(|(k, _)| k != EXPIRE)
             .collect();
         if let Some(n) = &node {
             // Children must stay alive in the target even if the source blob
@@ -660,23 +652,22 @@ impl Replicator {
         let mut labels: HashMap<String, String> = image
             .labels
             .iter()
-            .filter(|(k, _)| k.as_str() != EXPIRE_LABEL && !k.starts_with("io.cri-containerd."))
+            .filter(|(k, _)| k.as_str() != EXPIRE && !k.starts_with("io.cri-containerd."))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        labels.insert(SOURCE_LABEL.into(), source.into());
+        labels.insert(SOURCE.into(), source.into());
         if self.s.pin {
-            labels.insert(PINNED_LABEL.into(), "pinned".into());
+            labels.insert(PINNED.into(), PINNED_VALUE.into());
         }
         if let Some(e) = &existing {
             let same_target = e.target.as_ref().map(|t| &t.digest) == Some(&root.digest);
             for (k, v) in &e.labels {
                 // Keep what others own: the importer's pin, CRI's management
                 // marker (only while the digest is unchanged).
-                let keep = k == IMPORT_LABEL
-                    || (k == PINNED_LABEL
-                        && (e.labels.contains_key(IMPORT_LABEL)
-                            || !e.labels.contains_key(SOURCE_LABEL)))
-                    || (k == CRI_MANAGED_LABEL && same_target);
+                let keep = k == IMPORT
+                    || (k == PINNED
+                        && matches!(pin_owner(&e.labels), PinOwner::Import | PinOwner::Other))
+                    || (k == CRI_MANAGED && same_target);
                 if keep {
                     labels.entry(k.clone()).or_insert_with(|| v.clone());
                 }
@@ -716,10 +707,12 @@ impl Replicator {
     /// containerd's events a few ms behind the record, so the first poll is
     /// immediate and the next ones come every millisecond before backing off.
     async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> Result<usize, Error> {
-        let has_cri = *self
-            .cri
-            .get_or_init(|| async { self.c.has_cri().await.unwrap_or(false) })
-            .await;
+        // Cached only once known: a probe that failed (containerd restarting)
+        // must not turn confirmation off for the life of the process.
+        let has_cri = match self.cri.get_or_try_init(|| self.c.has_cri()).await {
+            Ok(known) => *known,
+            Err(_) => true,
+        };
         if !has_cri || configs.is_empty() {
             return Ok(0);
         }
@@ -804,7 +797,7 @@ impl Replicator {
         target: &str,
         img: Image,
     ) -> Result<(), ctrd::Error> {
-        if img.labels.get(SOURCE_LABEL).map(String::as_str) != Some(source) {
+        if img.labels.get(SOURCE).map(String::as_str) != Some(source) {
             return Ok(()); // not ours: never touched
         }
         match self.s.delete_policy {
@@ -814,16 +807,16 @@ impl Replicator {
                 tracing::info!(image = %img.name, source, target, "deleted replica (delete_policy = delete)");
             }
             DeletePolicy::Unpin => {
-                if img.labels.contains_key(PINNED_LABEL) && !img.labels.contains_key(IMPORT_LABEL) {
+                if pin_owner(&img.labels) == PinOwner::Replication {
                     let mut labels = HashMap::new();
-                    labels.insert(PINNED_LABEL.to_string(), String::new());
+                    labels.insert(PINNED.to_string(), String::new());
                     let rec = Image {
                         name: img.name.clone(),
                         labels,
                         ..Default::default()
                     };
                     self.c
-                        .update_image(target, rec, vec![format!("labels.{PINNED_LABEL}")])
+                        .update_image(target, rec, vec![format!("labels.{PINNED}")])
                         .await?;
                     tracing::info!(image = %img.name, source, target, "unpinned replica (delete_policy = unpin)");
                 }
