@@ -17,6 +17,9 @@ pub const PREFIX_LEN: usize = 5;
 /// containerd's default max message size (`defaults.DefaultMaxRecvMsgSize`).
 pub const MAX_MESSAGE: usize = 16 << 20;
 
+/// Largest held (intercepted) request or response body: one message.
+pub const MAX_HELD_BODY: usize = MAX_MESSAGE + PREFIX_LEN;
+
 /// Why a buffered body is not exactly one plain gRPC message.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
@@ -88,8 +91,12 @@ pub fn status_code(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<
     trailers
         .and_then(|t| t.get("grpc-status"))
         .or_else(|| headers.get("grpc-status"))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|s| s.parse().ok())
+        .and_then(|v| parse_status(v.as_bytes()))
+}
+
+/// A `grpc-status` value as sent on the wire.
+pub fn parse_status(value: &[u8]) -> Option<i32> {
+    std::str::from_utf8(value).ok()?.parse().ok()
 }
 
 /// A Trailers-Only error reply: HEADERS with END_STREAM carrying the status.

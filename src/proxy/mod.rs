@@ -47,9 +47,6 @@ use observe::{CallGuard, Observed};
 pub use tuning::Tuning;
 use upstream::Upstream;
 
-/// Largest held (intercepted) request or response body.
-const HELD_LIMIT: usize = grpc::MAX_MESSAGE + grpc::PREFIX_LEN;
-
 /// Transport settings.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
@@ -93,6 +90,7 @@ pub async fn serve(
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder.timer(TokioTimer::new());
     config.tuning.server(&mut builder);
+    let builder = Arc::new(builder);
     let mut shards =
         shards::Shards::start(config.tuning.shard_count()).map_err(ProxyError::Threads)?;
     let splice_ctx = Arc::new(splice::Ctx {
@@ -130,12 +128,6 @@ pub async fn serve(
                 continue;
             }
         };
-        let conn = Arc::new(Connection {
-            upstream: Upstream::new(upstream_path.clone(), config.tuning),
-            interceptor: interceptor.clone(),
-            observer: config.observer.clone(),
-            upstream_back: tokio::sync::Notify::new(),
-        });
         let (builder, tuning) = (builder.clone(), config.tuning);
         let (ctx, drain, up_path) = (splice_ctx.clone(), drain.clone(), upstream_path.clone());
         shards.spawn(tracker.track_future(async move {
@@ -148,7 +140,7 @@ pub async fn serve(
             };
             // containerd answers: splice the two connections frame by frame.
             if let Ok(up) = UnixStream::connect(&*up_path).await {
-                match splice::run(stream, up, ctx, drain).await {
+                match splice::run(stream, up, ctx, drain.clone()).await {
                     Err(e) if e.is_hangup() => {
                         tracing::debug!(peer = %peer, error = %e, "connection ended")
                     }
@@ -161,6 +153,12 @@ pub async fn serve(
             // naming the socket, and forwards again once it is back. Then
             // GOAWAY moves the client to a new connection, which is spliced
             // (kubelet, say, would otherwise keep this slower one for days).
+            let conn = Arc::new(Connection {
+                upstream: Upstream::new(up_path, tuning),
+                interceptor: ctx.interceptor.clone(),
+                observer: ctx.observer.clone(),
+                upstream_back: tokio::sync::Notify::new(),
+            });
             let back = conn.clone();
             let svc = service_fn(move |req| conn.clone().handle(req));
             let io = TokioIo::new(tuning.server_io(stream));
@@ -279,7 +277,7 @@ impl Connection {
         parts: http::request::Parts,
         body: Incoming,
     ) -> Response<ProxyBody> {
-        let request = match Limited::new(body, HELD_LIMIT).collect().await {
+        let request = match Limited::new(body, grpc::MAX_HELD_BODY).collect().await {
             Ok(c) => c.to_bytes(),
             Err(e) => {
                 tracing::warn!(method = %call.method, error = %e, "could not read held request");
@@ -310,7 +308,7 @@ impl Connection {
             // Trailers-Only: an error from containerd, relayed as is.
             return Response::from_parts(rparts, Either::Left(rbody));
         }
-        let collected = match Limited::new(rbody, HELD_LIMIT).collect().await {
+        let collected = match Limited::new(rbody, grpc::MAX_HELD_BODY).collect().await {
             Ok(c) => c,
             Err(e) => {
                 return unavailable(&format!(

@@ -42,8 +42,6 @@ const BUF: usize = 256 << 10;
 const MAX_BLOCK: usize = 16 << 20;
 /// Largest HPACK dynamic table a peer may make us mirror.
 const MAX_TABLE: usize = 1 << 20;
-/// Largest held (intercepted) request or response body.
-const HELD_LIMIT: usize = grpc::MAX_MESSAGE + grpc::PREFIX_LEN;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {
@@ -623,7 +621,7 @@ impl Held {
             f.as_ref()?
                 .iter()
                 .find(|(n, _)| &n[..] == b"grpc-status")
-                .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
+                .and_then(|(_, v)| grpc::parse_status(v))
         };
         find(&self.trailers).or_else(|| find(&self.head))
     }
@@ -902,7 +900,7 @@ impl State {
         frames::header_frames(stream, end_stream, &mut frame, |out| {
             dec.decode(block, |n, v| {
                 if n == b"grpc-status" {
-                    status = std::str::from_utf8(v).ok().and_then(|s| s.parse().ok());
+                    status = grpc::parse_status(v);
                 }
                 frames::encode_field(out, n, v);
             })
@@ -965,7 +963,7 @@ impl State {
         let call = self.calls.get_mut(&head.stream).expect("checked by data()");
         let held = call.held.as_mut().expect("checked by data()");
         let mut verdict = Verdict::Forward;
-        if held.request.len() + content.len() > HELD_LIMIT {
+        if held.request.len() + content.len() > grpc::MAX_HELD_BODY {
             tracing::warn!(method = %held.method, "request over 16 MiB; relaying it without interception");
             if held.parked_unsent() {
                 up.extend(held.parked.drain(..));
@@ -1041,7 +1039,7 @@ impl State {
             held.data_end = true;
             held.response_done = true;
         }
-        if held.data.len() > HELD_LIMIT {
+        if held.data.len() > grpc::MAX_HELD_BODY {
             tracing::warn!(method = %held.method, "reply over 16 MiB; relaying it without interception");
             self.release(head.stream, up, down, false);
             return Verdict::Swallow;
