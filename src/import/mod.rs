@@ -54,8 +54,10 @@ pub enum ImportError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Other(String),
+    /// A bug in the reader, not a hiccup: retrying the same bytes would
+    /// hit it again, so the file waits until it changes.
+    #[error("archive reader panicked: {0}")]
+    Panic(String),
 }
 
 impl ImportError {
@@ -64,8 +66,8 @@ impl ImportError {
     pub fn is_transient(&self) -> bool {
         match self {
             ImportError::Archive(ArchiveError::Sink { .. }) => true,
-            ImportError::Archive(_) => false,
-            ImportError::Containerd(_) | ImportError::Io { .. } | ImportError::Other(_) => true,
+            ImportError::Archive(_) | ImportError::Panic(_) => false,
+            ImportError::Containerd(_) | ImportError::Io { .. } => true,
         }
     }
 }
@@ -110,7 +112,7 @@ pub struct FileReport {
     pub duration: Duration,
 }
 
-/// Result of [`import_files`].
+/// Result of [`import_files_with`].
 #[derive(Debug, Clone, Default)]
 pub struct Report {
     pub files: Vec<FileReport>,
@@ -127,10 +129,6 @@ impl Report {
                     .map(move |e| format!("{}: {e}", f.path.display()))
             })
             .collect()
-    }
-
-    pub fn is_ok(&self) -> bool {
-        self.files.iter().all(|f| f.failures.is_empty())
     }
 }
 
@@ -151,17 +149,8 @@ pub fn supported(path: &Path) -> Option<FileKind> {
 }
 
 /// One-shot import for `imgbridge import`: archives (any name; compression
-/// from the bytes) and `.txt` pull lists, each file independent.
-pub async fn import_files(
-    containerd: Containerd,
-    ns: &str,
-    files: &[PathBuf],
-    pin: bool,
-) -> Report {
-    import_files_with(containerd, ns, files, pin, Limits::default()).await
-}
-
-/// [`import_files`] with explicit limits (`import.max_decompressed_bytes`).
+/// from the bytes) and `.txt` pull lists, each file independent, within
+/// `import.max_decompressed_bytes`.
 pub async fn import_files_with(
     containerd: Containerd,
     ns: &str,
@@ -259,12 +248,8 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
     }
 }
 
-/// Runs the directory importer until `shutdown` (the `serve` command).
-pub async fn run(containerd: Containerd, cfg: Import, shutdown: CancellationToken) {
-    run_with_stats(containerd, cfg, shutdown, Arc::new(Stats::default())).await
-}
-
-/// [`run`], reporting into `stats`.
+/// Runs the directory importer until `shutdown` (the `serve` command),
+/// reporting into `stats`.
 pub async fn run_with_stats(
     containerd: Containerd,
     cfg: Import,

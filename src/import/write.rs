@@ -222,7 +222,7 @@ async fn import_leased(
     let file: PathBuf = path.into();
     let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
         .await
-        .map_err(|e| ImportError::Other(format!("archive reader panicked: {e}")))??;
+        .map_err(|e| ImportError::Panic(e.to_string()))??;
     let mut out = ArchiveOutcome {
         failures: plan.failures.clone(),
         warnings: plan.warnings.clone(),
