@@ -607,8 +607,10 @@ async fn slow_copy_imported_once() {
     }
     drop(f);
     wait_usable_pinned(&c, A).await;
-    // Stays at one import: nothing else happens once quiet.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Stays at one import: nothing else happens once quiet. Asserting an
+    // absence needs a window; it spans two debounce periods (1.5 s) so a
+    // second, debounced import would have shown.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     let stats = r.stop().await;
     assert_eq!(stats.imported.load(Ordering::SeqCst), 1);
     assert_eq!(stats.failures.load(Ordering::SeqCst), 0);

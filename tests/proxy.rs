@@ -215,6 +215,12 @@ async fn cri_image_status_and_pod_through_proxy() {
     .await
     .expect("CRI ImageStatus through the proxy");
     assert_eq!(st.id, img.config_digest());
+    assert!(
+        st.repo_tags.contains(&img.normalized()),
+        "{:?}",
+        st.repo_tags
+    );
+    // run_pod returns only once the container's log shows the text.
     let pod = run_pod(
         p.socket(),
         &img.normalized(),
@@ -222,7 +228,6 @@ async fn cri_image_status_and_pod_through_proxy() {
         &hello_text("criproxy:1"),
     )
     .await;
-    assert!(pod.log().contains(&hello_text("criproxy:1")));
     pod.cleanup().await;
 }
 

@@ -1850,21 +1850,34 @@ pub async fn content_client(
     )
 }
 
-/// The image record `name` in `ns`, or `None` when it is absent (or the call fails).
+/// The image record `name` in `ns`, or `None` when containerd says it is
+/// absent. Other errors are retried for a while (containerd may be
+/// restarting under the test), then fail the test: "absent" is never
+/// inferred from a failed call.
 pub async fn get_image(
     sock: &Path,
     ns: &str,
     name: &str,
 ) -> Option<containerd_client::services::v1::Image> {
-    images_client(sock)
-        .await
-        .get(with_ns(
-            containerd_client::services::v1::GetImageRequest { name: name.into() },
-            ns,
-        ))
-        .await
-        .ok()
-        .and_then(|r| r.into_inner().image)
+    let c = imgbridge::containerd::Containerd::new(sock);
+    definite(&format!("image {name} in {ns}"), || c.get_image(ns, name)).await
+}
+
+/// Retries `call` until containerd gives a definite answer (value or
+/// NotFound, which the library maps to `None`), for up to 10 s.
+async fn definite<T, F, Fut>(what: &str, call: F) -> Option<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>, imgbridge::containerd::Error>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match call().await {
+            Ok(v) => return v,
+            Err(e) if Instant::now() > deadline => panic!("asking containerd for {what}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
 }
 
 /// The target descriptor of image `name` in `ns`, panicking when it is absent.
@@ -1880,23 +1893,18 @@ pub async fn image_target(
         .unwrap_or_else(|| panic!("image {name} in {ns} has no target"))
 }
 
-/// Content info of `digest` in `ns`, or `None` when it is absent (or the call fails).
+/// Content info of `digest` in `ns`, or `None` when containerd says it is
+/// absent (errors as in [`get_image`]).
 pub async fn content_info(
     sock: &Path,
     ns: &str,
     digest: &str,
 ) -> Option<containerd_client::services::v1::Info> {
-    content_client(sock)
-        .await
-        .info(with_ns(
-            containerd_client::services::v1::InfoRequest {
-                digest: digest.into(),
-            },
-            ns,
-        ))
-        .await
-        .ok()
-        .and_then(|r| r.into_inner().info)
+    let c = imgbridge::containerd::Containerd::new(sock);
+    definite(&format!("blob {digest} in {ns}"), || {
+        c.content_info(ns, digest)
+    })
+    .await
 }
 
 /// An `Images/Create` request for `name` -> `target` in `ns`.
