@@ -261,4 +261,13 @@ mod tests {
         assert_eq!(l[IMPORT], "aa,bb");
         assert!(pin_labels(&img(&[(PINNED, "pinned"), (IMPORT, "aa,bb")]), "aa").is_none());
     }
+
+    #[test]
+    fn a_replica_pinned_by_the_replicator_is_taken_over() {
+        // Without the import label the replicator's unpin would drop the
+        // pin while the watched file still needs the image.
+        let replica = img(&[(PINNED, "pinned"), (crate::labels::SOURCE, "buildkit")]);
+        let l = pin_labels(&replica, "aa").expect("the file records its pin");
+        assert_eq!(l[IMPORT], "aa");
+    }
 }

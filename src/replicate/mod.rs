@@ -121,8 +121,6 @@ pub struct Outcome {
     pub writes: usize,
     /// Blobs not yet in the source, linked later in the background.
     pub pending: usize,
-    /// Target names written or confirmed.
-    pub names: Vec<String>,
     /// Skipped because the name is not a valid reference.
     pub skipped: bool,
 }
@@ -131,8 +129,58 @@ impl Outcome {
     fn absorb(&mut self, o: Outcome) {
         self.writes += o.writes;
         self.pending += o.pending;
-        self.names.extend(o.names);
         self.skipped |= o.skipped;
+    }
+}
+
+/// A replication's lease in its target, created by the first write. It is
+/// released explicitly once the blobs are referenced, and from `Drop` when
+/// the replication is cancelled (timeout, caller gone) so the content is not
+/// held until the lease expires.
+struct Lease {
+    c: Containerd,
+    target: String,
+    id: OnceCell<String>,
+    released: std::sync::atomic::AtomicBool,
+}
+
+impl Lease {
+    fn new(c: &Containerd, target: &str) -> Lease {
+        Lease {
+            c: c.clone(),
+            target: target.into(),
+            id: OnceCell::new(),
+            released: Default::default(),
+        }
+    }
+
+    async fn release(&self) {
+        let Some(id) = self.id.get() else { return };
+        if self
+            .released
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        if let Err(e) = self.c.delete_lease(&self.target, id).await {
+            tracing::warn!(lease = %id, target = %self.target, error = %e, "could not release lease; it expires on its own");
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let (Some(id), Ok(rt)) = (self.id.take(), tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        if !*self.released.get_mut() {
+            let (c, target) = (self.c.clone(), std::mem::take(&mut self.target));
+            rt.spawn(async move {
+                if let Err(e) = c.delete_lease(&target, &id).await {
+                    tracing::warn!(lease = %id, target, error = %e, "could not release lease of a cancelled replication; it expires on its own");
+                }
+            });
+        }
     }
 }
 
@@ -333,19 +381,19 @@ impl Replicator {
             names.push(parsed.with_digest(&root.digest));
         }
         let started = Instant::now();
-        let lease = OnceCell::new();
+        let lease = Lease::new(&self.c, target);
         // The target's current records are read while the tree is walked:
         // both are reads, and the lock keeps our own writers out.
         let existing =
             futures_util::future::try_join_all(names.iter().map(|n| self.c.get_image(target, n)));
         let (walk, existing) = tokio::join!(
-            self.walk(source, target, &image.name, &root, &lease),
+            self.walk(source, target, &image.name, &root, &lease.id),
             existing
         );
         let ((mut outcome, configs), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
             Ok(v) => v,
             Err(e) => {
-                self.release(target, &lease).await;
+                lease.release().await;
                 return Err(err(e));
             }
         };
@@ -367,7 +415,7 @@ impl Replicator {
         match tag {
             Ok(w) => outcome.writes += w,
             Err(e) => {
-                self.release(target, &lease).await;
+                lease.release().await;
                 return Err(err(e));
             }
         }
@@ -378,7 +426,7 @@ impl Replicator {
                 .zip(existing)
                 .map(|(n, e)| self.put_record(source, target, n, &image, &root, e)),
         );
-        let (rest, _, cri) = tokio::join!(rest, self.release(target, &lease), async {
+        let (rest, _, cri) = tokio::join!(rest, lease.release(), async {
             if confirm {
                 self.wait_cri(target, &target_name, &configs).await
             } else {
@@ -389,7 +437,6 @@ impl Replicator {
             outcome.writes += r.map_err(err)?;
         }
         let polls = cri?;
-        outcome.names = names;
         tracing::debug!(
             image = name,
             target,
@@ -404,14 +451,6 @@ impl Replicator {
             tracing::info!(image = name, source, target, replica = %target_name, writes = outcome.writes, pending = outcome.pending, "replicated");
         }
         Ok(outcome)
-    }
-
-    async fn release(&self, target: &str, lease: &OnceCell<String>) {
-        if let Some(id) = lease.get() {
-            if let Err(e) = self.c.delete_lease(target, id).await {
-                tracing::warn!(lease = %id, target, error = %e, "could not release lease; it expires on its own");
-            }
-        }
     }
 
     /// Walks the tree from `root`, making every present blob visible in

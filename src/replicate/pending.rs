@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::tree::Child;
@@ -93,8 +92,9 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
                 }
             }
             // The parent in the target already carries a gc.ref label for
-            // this blob, so linking it without a lease is GC-safe; the walk
-            // queues any of its own children that are still missing.
+            // this blob, so the link is GC-safe by itself; the walk's lease
+            // (created only if it writes) covers its children until they are
+            // referenced. Children still missing are queued again.
             r.pending.remove(&it);
             let root = crate::containerd::Descriptor {
                 media_type: it.child.media_type.clone(),
@@ -102,9 +102,9 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
                 size: it.child.size,
                 ..Default::default()
             };
-            let lease = OnceCell::new();
+            let lease = super::Lease::new(&r.c, &it.target);
             match r
-                .walk(&it.source, &it.target, &it.image, &root, &lease)
+                .walk(&it.source, &it.target, &it.image, &root, &lease.id)
                 .await
             {
                 Ok((o, _)) => {
@@ -115,7 +115,7 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
                     r.pending.add(it.clone());
                 }
             }
-            r.release(&it.target, &lease).await;
+            lease.release().await;
         }
     }
 }
