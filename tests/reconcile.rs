@@ -206,17 +206,21 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
     });
     let (_img, t) = seed(&c, "fault:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
+    let mut created = 0;
     for i in 0..20 {
         let via = if i % 2 == 0 {
             p.socket().to_path_buf()
         } else {
             c.socket().to_path_buf()
         };
-        let _ = images_client(&via)
+        // Creates may fail around the kill; the ones before it may not.
+        created += images_client(&via)
             .await
             .create(create_image_req(SRC, &format!("f-{i}:1"), &t))
-            .await;
+            .await
+            .is_ok() as usize;
         if i == 10 {
+            assert_eq!(created, 11, "creates before the kill must succeed");
             c.kill9();
             c.restart();
         }
@@ -241,19 +245,25 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
     let writer = tokio::spawn(async move {
+        // Creates fail once imgbridge is killed; count those that did not.
+        let mut created = 0;
         for i in 0..40 {
-            let _ = images_client(&sock)
+            created += images_client(&sock)
                 .await
                 .create(create_image_req(SRC, &format!("k-{i}:1"), &t))
-                .await;
+                .await
+                .is_ok() as usize;
         }
+        created
     });
     // Kill while creates are in flight.
     poll(Duration::from_secs(20), || {
         (p.log().matches("replicated").count() >= 3).then_some(())
-    });
+    })
+    .expect("replications before the kill");
     p.kill9();
-    let _ = writer.await;
+    let created = writer.await.unwrap();
+    assert!(created >= 1, "no create went through before the kill");
     let _p2 = Imgbridge::start(c.socket(), &[]);
     let r = all_replicated(c.socket(), Duration::from_secs(10)).await;
     assert!(r.is_ok(), "restart did not converge: {r:?}");

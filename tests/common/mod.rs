@@ -381,6 +381,7 @@ pub fn unique_name(prefix: &str) -> String {
 /// Polls `f` (short sleeps, growing from 5 ms to 100 ms) until it returns
 /// `Some` or `timeout` passes. `f` is always tried at least once, and once more
 /// at the deadline.
+#[must_use = "a poll that timed out returns None"]
 pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(5);
@@ -398,6 +399,7 @@ pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T>
 }
 
 /// Async version of [`poll`] (uses `tokio::time::sleep`).
+#[must_use = "a poll that timed out returns None"]
 pub async fn poll_async<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where
     F: FnMut() -> Fut,
