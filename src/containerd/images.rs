@@ -75,6 +75,27 @@ impl Containerd {
             .ok_or_else(|| Error::Protocol(format!("{op}: reply without image")))
     }
 
+    /// Sets `labels` on image `name` and touches nothing else (an empty
+    /// value removes the label). `None` when the image is gone.
+    pub async fn update_image_labels(
+        &self,
+        ns: &str,
+        name: &str,
+        labels: std::collections::HashMap<String, String>,
+    ) -> Result<Option<Image>> {
+        let mask = labels.keys().map(|k| format!("labels.{k}")).collect();
+        let image = Image {
+            name: name.into(),
+            labels,
+            ..Default::default()
+        };
+        match self.update_image(ns, image, mask).await {
+            Ok(i) => Ok(Some(i)),
+            Err(e) if e.is(tonic::Code::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Create, or replace the whole record when the name exists (and create
     /// again if it vanished in between), like containerd's own clients do.
     pub async fn put_image(&self, ns: &str, image: Image) -> Result<Image> {

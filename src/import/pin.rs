@@ -147,19 +147,9 @@ pub async fn pin(c: &Containerd, ns: &str, name: &str, source: &str) -> Result<O
     let Some(img) = c.get_image(ns, name).await? else {
         return Ok(None);
     };
-    let Some(labels) = pin_labels(&img, source) else {
-        return Ok(Some(img));
-    };
-    let mask = labels.keys().map(|k| format!("labels.{k}")).collect();
-    let update = Image {
-        name: name.into(),
-        labels,
-        ..Default::default()
-    };
-    match c.update_image(ns, update, mask).await {
-        Ok(i) => Ok(Some(i)),
-        Err(e) if e.is(tonic::Code::NotFound) => Ok(None),
-        Err(e) => Err(e),
+    match pin_labels(&img, source) {
+        Some(labels) => c.update_image_labels(ns, name, labels).await,
+        None => Ok(Some(img)),
     }
 }
 
@@ -208,17 +198,10 @@ pub async fn unpin(
             Unpinned::Narrowed,
         )
     };
-    let mask = labels.keys().map(|k| format!("labels.{k}")).collect();
-    let update = Image {
-        name: name.into(),
-        labels,
-        ..Default::default()
-    };
-    match c.update_image(ns, update, mask).await {
-        Ok(_) => Ok(result),
-        Err(e) if e.is(tonic::Code::NotFound) => Ok(Unpinned::Untouched),
-        Err(e) => Err(e),
-    }
+    Ok(match c.update_image_labels(ns, name, labels).await? {
+        Some(_) => result,
+        None => Unpinned::Untouched,
+    })
 }
 
 #[cfg(test)]

@@ -118,21 +118,31 @@ pub fn goaway(last_stream: u32, code: u32) -> Bytes {
 
 /// A HEADERS frame plus as many CONTINUATION frames as `block` needs.
 pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) {
-    let mut chunks = block.chunks(EMIT_PAYLOAD).peekable();
-    let mut kind = HEADERS;
-    let mut flags = if end_stream { END_STREAM } else { 0 };
-    if chunks.peek().is_none() {
-        put_head(out, 0, kind, flags | END_HEADERS, stream);
-        return;
-    }
-    while let Some(chunk) = chunks.next() {
-        if chunks.peek().is_none() {
-            flags |= END_HEADERS;
+    let first = if end_stream { END_STREAM } else { 0 };
+    chunked(
+        out,
+        stream,
+        block,
+        [HEADERS, CONTINUATION],
+        first,
+        END_HEADERS,
+    );
+}
+
+/// `payload` in frames of at most [`EMIT_PAYLOAD`] (at least one frame, so
+/// the flags always have a frame to ride on): `kinds` are the first and the
+/// following frames' types; `first` flags go on the first, `last` on the last.
+fn chunked(out: &mut BytesMut, stream: u32, payload: &[u8], kinds: [u8; 2], first: u8, last: u8) {
+    let n = payload.len().div_ceil(EMIT_PAYLOAD).max(1);
+    for i in 0..n {
+        let chunk = &payload
+            [(i * EMIT_PAYLOAD).min(payload.len())..((i + 1) * EMIT_PAYLOAD).min(payload.len())];
+        let mut flags = if i == 0 { first } else { 0 };
+        if i + 1 == n {
+            flags |= last;
         }
-        put_head(out, chunk.len(), kind, flags, stream);
+        put_head(out, chunk.len(), kinds[(i > 0) as usize], flags, stream);
         out.put_slice(chunk);
-        kind = CONTINUATION;
-        flags = 0;
     }
 }
 
@@ -162,23 +172,8 @@ pub fn header_frames<R>(
 
 /// DATA frames carrying `payload` (at least one frame, so END_STREAM fits).
 pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
-    let mut chunks = payload.chunks(EMIT_PAYLOAD).peekable();
-    if chunks.peek().is_none() {
-        put_head(
-            out,
-            0,
-            DATA,
-            if end_stream { END_STREAM } else { 0 },
-            stream,
-        );
-        return;
-    }
-    while let Some(chunk) = chunks.next() {
-        let last = chunks.peek().is_none();
-        let flags = if last && end_stream { END_STREAM } else { 0 };
-        put_head(out, chunk.len(), DATA, flags, stream);
-        out.put_slice(chunk);
-    }
+    let last = if end_stream { END_STREAM } else { 0 };
+    chunked(out, stream, payload, [DATA, DATA], 0, last);
 }
 
 /// HPACK integer with an `n`-bit prefix; `first` holds the pattern bits.

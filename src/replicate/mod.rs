@@ -847,16 +847,8 @@ impl Replicator {
             }
             DeletePolicy::Unpin => {
                 if pin_owner(&img.labels) == PinOwner::Replication {
-                    let mut labels = HashMap::new();
-                    labels.insert(PINNED.to_string(), String::new());
-                    let rec = Image {
-                        name: img.name.clone(),
-                        labels,
-                        ..Default::default()
-                    };
-                    self.c
-                        .update_image(target, rec, vec![format!("labels.{PINNED}")])
-                        .await?;
+                    let unpin = HashMap::from([(PINNED.to_string(), String::new())]);
+                    self.c.update_image_labels(target, &img.name, unpin).await?;
                     tracing::info!(image = %img.name, source, target, "unpinned replica (delete_policy = unpin)");
                 }
             }
