@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use containerd_client::services::v1 as api;
+use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::types::Descriptor;
 use http_body_util::{BodyExt, Full};
 use prost::Message;
@@ -245,21 +246,26 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
     let writer = tokio::spawn(async move {
-        // Creates fail once imgbridge is killed; count those that did not.
+        // Creates fail once imgbridge is killed (and connecting is refused
+        // after it); count those that went through.
         let mut created = 0;
         for i in 0..40 {
-            created += images_client(&sock)
-                .await
+            let Ok(ch) = try_containerd_channel(&sock).await else {
+                break;
+            };
+            created += ImagesClient::new(ch)
                 .create(create_image_req(SRC, &format!("k-{i}:1"), &t))
                 .await
                 .is_ok() as usize;
         }
         created
     });
-    // Kill while creates are in flight.
-    poll(Duration::from_secs(20), || {
+    // Kill while creates are in flight. (Polled asynchronously: a blocking
+    // poll would starve the writer on this single-threaded test runtime.)
+    poll_async(Duration::from_secs(20), || async {
         (p.log().matches("replicated").count() >= 3).then_some(())
     })
+    .await
     .expect("replications before the kill");
     p.kill9();
     let created = writer.await.unwrap();
