@@ -593,11 +593,12 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    while let Some(m) = read
-        .message()
-        .await
-        .expect("in-flight stream must complete")
-    {
+    while let Some(m) = read.message().await.unwrap_or_else(|e| {
+        panic!(
+            "in-flight stream must complete: {e}\n{}",
+            logs_near(p.socket())
+        )
+    }) {
         got.extend_from_slice(&m.data);
     }
     assert_eq!(sha256_digest(&got), digest);
@@ -672,7 +673,7 @@ struct TestHooks {
 
 impl Interceptor for TestHooks {
     fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
-        if call.method != "/containerd.services.images.v1.Images/Create" {
+        if &*call.method != "/containerd.services.images.v1.Images/Create" {
             return None;
         }
         let seen = self.seen.clone();
@@ -681,7 +682,9 @@ impl Interceptor for TestHooks {
             move |req: api::CreateImageRequest, resp: api::CreateImageResponse| async move {
                 let req_name = req.image.map(|i| i.name).unwrap_or_default();
                 let resp_name = resp.image.map(|i| i.name).unwrap_or_default();
-                seen.lock().unwrap().push((ns, req_name.clone(), resp_name));
+                seen.lock()
+                    .unwrap()
+                    .push((ns.to_string(), req_name.clone(), resp_name));
                 if req_name.starts_with("fail") {
                     return Err(tonic::Status::failed_precondition(format!(
                         "hook refused {req_name}: 100% \"sure\""

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Display};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::{Duration, SystemTime};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -140,6 +140,12 @@ struct BuildLabels {
 pub struct Metrics {
     registry: Registry,
     calls: Family<CallLabels, Counter>,
+    /// The counters of `calls` by request path and status slot, found
+    /// without building (allocating, SipHashing) a label set: what every
+    /// call pays. Holds only paths with a series of their own, so it is
+    /// bounded like `calls`.
+    quick_calls:
+        RwLock<HashMap<Box<str>, [Option<Counter>; STATUS_SLOTS], foldhash::fast::RandomState>>,
     call_series: AtomicUsize,
     in_flight: Gauge,
     relayed_bytes: Counter<u64, AtomicU64>,
@@ -169,6 +175,7 @@ impl Metrics {
         let m = Metrics {
             registry: Registry::default(),
             calls: Family::default(),
+            quick_calls: RwLock::default(),
             call_series: AtomicUsize::new(0),
             in_flight: Gauge::default(),
             relayed_bytes: Counter::default(),
@@ -381,19 +388,50 @@ impl CallObserver for Metrics {
 
     fn call_finished(&self, method: &str, grpc_status: Option<i32>) {
         self.in_flight.dec();
+        let slot = status_slot(grpc_status);
+        let quick = self
+            .quick_calls
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = quick.get(method).and_then(|s| s[slot].as_ref()) {
+            c.inc();
+            return;
+        }
+        drop(quick);
         let mut labels = CallLabels {
             method: method_label(method).to_owned(),
             grpc_status: status_label(grpc_status),
         };
-        if let Some(c) = self.calls.get(&labels) {
-            c.inc();
-            return;
+        let counter = match self.calls.get(&labels) {
+            Some(c) => c.clone(),
+            None => {
+                // A new series: count it, and fold it into "other" past the cap.
+                if self.call_series.fetch_add(1, Ordering::Relaxed) >= MAX_CALL_SERIES {
+                    labels.method = "other".into();
+                }
+                self.calls.get_or_create(&labels).clone()
+            }
+        };
+        counter.inc();
+        if labels.method == method {
+            let mut quick = self
+                .quick_calls
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            quick.entry(method.into()).or_default()[slot] = Some(counter);
         }
-        // A new series: count it, and fold it into "other" past the cap.
-        if self.call_series.fetch_add(1, Ordering::Relaxed) >= MAX_CALL_SERIES {
-            labels.method = "other".into();
-        }
-        self.calls.get_or_create(&labels).inc();
+    }
+}
+
+/// `grpc_status` label values, one slot each: the 17 codes, none, invalid.
+const STATUS_SLOTS: usize = 19;
+
+/// The slot of [`status_label`]'s value.
+fn status_slot(code: Option<i32>) -> usize {
+    match code {
+        Some(c @ 0..=16) => c as usize,
+        None => 17,
+        Some(_) => 18,
     }
 }
 
@@ -526,6 +564,54 @@ mod tests {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
         assert_eq!(m.pending().images, 1);
+    }
+
+    #[test]
+    fn repeated_calls_count_through_the_quick_path() {
+        let m = Metrics::new();
+        let version = "/containerd.services.version.v1.Version/Version";
+        for status in [Some(0), Some(0), Some(5), None, Some(0)] {
+            m.call_started();
+            m.call_finished(version, status);
+        }
+        for _ in 0..2 {
+            m.call_started();
+            m.call_finished("/x.Y/Z", Some(0)); // folded into "other", never cached
+        }
+        let text = m.encode();
+        for line in [
+            format!("imgbridge_proxy_calls_total{{method=\"{version}\",grpc_status=\"0\"}} 3"),
+            format!("imgbridge_proxy_calls_total{{method=\"{version}\",grpc_status=\"5\"}} 1"),
+            format!("imgbridge_proxy_calls_total{{method=\"{version}\",grpc_status=\"none\"}} 1"),
+            "imgbridge_proxy_calls_total{method=\"other\",grpc_status=\"0\"} 2".to_string(),
+        ] {
+            assert!(text.contains(&line), "missing {line} in\n{text}");
+        }
+        assert!(!lock_read(&m).contains_key("/x.Y/Z"));
+    }
+
+    fn lock_read(
+        m: &Metrics,
+    ) -> std::sync::RwLockReadGuard<
+        '_,
+        HashMap<Box<str>, [Option<Counter>; STATUS_SLOTS], foldhash::fast::RandomState>,
+    > {
+        m.quick_calls.read().unwrap()
+    }
+
+    #[test]
+    fn status_slots_match_status_labels() {
+        let codes: Vec<Option<i32>> = std::iter::once(None).chain((-2..=18).map(Some)).collect();
+        for a in &codes {
+            for b in &codes {
+                assert_eq!(
+                    status_slot(*a) == status_slot(*b),
+                    status_label(*a) == status_label(*b),
+                    "{a:?} {b:?}"
+                );
+            }
+            assert!(status_slot(*a) < STATUS_SLOTS);
+        }
     }
 
     #[test]

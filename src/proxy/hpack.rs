@@ -106,6 +106,45 @@ pub struct Decoder {
     limit: usize,
     name_buf: Vec<u8>,
     value_buf: Vec<u8>,
+    /// Recently decoded Huffman strings, by their encoded bytes.
+    memo: Memo,
+}
+
+/// A few recent Huffman strings with their decoded form. Clients send the
+/// same non-indexed literals on every call (h2 never indexes `:path`), and a
+/// byte comparison is several times cheaper than decoding them again.
+#[derive(Default)]
+struct Memo {
+    slots: [(Vec<u8>, Vec<u8>); MEMO_SLOTS],
+    next: usize,
+}
+
+const MEMO_SLOTS: usize = 4;
+/// Longer strings are decoded every time: they are rare and compare slowly.
+const MEMO_MAX: usize = 128;
+
+impl Memo {
+    fn find(&self, raw: &[u8]) -> Option<usize> {
+        (self.slots.iter()).position(|(r, d)| !d.is_empty() && r[..] == *raw)
+    }
+
+    fn decode(&mut self, raw: &[u8]) -> Result<usize, HpackError> {
+        if let Some(i) = self.find(raw) {
+            return Ok(i);
+        }
+        let i = self.next;
+        self.next = (i + 1) % MEMO_SLOTS;
+        let (r, d) = &mut self.slots[i];
+        r.clear();
+        d.clear();
+        httlib_huffman::decode(raw, d, DecoderSpeed::FourBits).map_err(|_| HpackError::Huffman)?;
+        if d.is_empty() {
+            // An empty value cannot be told from an empty slot: no memo.
+            return Ok(i);
+        }
+        r.extend_from_slice(raw);
+        Ok(i)
+    }
 }
 
 /// Where a decoded string lives until the callback has seen it.
@@ -117,6 +156,8 @@ enum Src {
     Block(usize, usize),
     /// The scratch buffer (Huffman-decoded).
     Scratch,
+    /// A memo slot (Huffman-decoded).
+    Memo(usize),
 }
 
 impl Decoder {
@@ -130,6 +171,7 @@ impl Decoder {
             limit,
             name_buf: Vec::new(),
             value_buf: Vec::new(),
+            memo: Memo::default(),
         }
     }
 
@@ -166,14 +208,14 @@ impl Decoder {
                 };
                 let idx = int(block, &mut pos, prefix)?;
                 let name = match idx {
-                    0 => string(block, &mut pos, &mut self.name_buf)?,
+                    0 => string(block, &mut pos, &mut self.name_buf, None)?,
                     i => match i {
                         1..=61 => Src::Static(i - 1),
                         _ if i - 62 < self.table.len() => Src::Dynamic(i - 62),
                         _ => return Err(HpackError::BadIndex(i)),
                     },
                 };
-                let value = string(block, &mut pos, &mut self.value_buf)?;
+                let value = string(block, &mut pos, &mut self.value_buf, Some(&mut self.memo))?;
                 let n = self.resolve(name, true, block);
                 let v = self.resolve(value, false, block);
                 f(n, v);
@@ -204,6 +246,7 @@ impl Decoder {
             Src::Block(a, b) => &block[a..b],
             Src::Scratch if name => &self.name_buf,
             Src::Scratch => &self.value_buf,
+            Src::Memo(i) => &self.memo.slots[i].1,
         }
     }
 
@@ -258,8 +301,13 @@ fn int(block: &[u8], pos: &mut usize, n: u8) -> Result<usize, HpackError> {
 }
 
 /// A string literal (§5.2): raw strings stay in the block, Huffman strings
-/// are decoded into `scratch`.
-fn string(block: &[u8], pos: &mut usize, scratch: &mut Vec<u8>) -> Result<Src, HpackError> {
+/// are decoded into `scratch`, or looked up in and added to `memo`.
+fn string(
+    block: &[u8],
+    pos: &mut usize,
+    scratch: &mut Vec<u8>,
+    memo: Option<&mut Memo>,
+) -> Result<Src, HpackError> {
     let huffman = *block.get(*pos).ok_or(HpackError::Truncated)? & 0x80 != 0;
     let len = int(block, pos, 7)?;
     let end = pos.checked_add(len).ok_or(HpackError::Overflow)?;
@@ -268,6 +316,9 @@ fn string(block: &[u8], pos: &mut usize, scratch: &mut Vec<u8>) -> Result<Src, H
     *pos = end;
     if !huffman {
         return Ok(Src::Block(start, end));
+    }
+    if let Some(memo) = memo.filter(|_| raw.len() <= MEMO_MAX) {
+        return Ok(Src::Memo(memo.decode(raw)?));
     }
     scratch.clear();
     httlib_huffman::decode(raw, scratch, DecoderSpeed::FourBits)
@@ -278,6 +329,49 @@ fn string(block: &[u8], pos: &mut usize, scratch: &mut Vec<u8>) -> Result<Src, H
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Literal without indexing, static name `idx`, Huffman value `v`.
+    fn huffman_literal(idx: u8, v: &str) -> Vec<u8> {
+        let mut enc = Vec::new();
+        httlib_huffman::encode(v.as_bytes(), &mut enc).unwrap();
+        assert!(enc.len() < 127);
+        let mut out = vec![idx, 0x80 | enc.len() as u8];
+        out.extend(enc);
+        out
+    }
+
+    #[test]
+    fn memoized_huffman_strings_decode_like_fresh_ones() {
+        // More distinct strings than memo slots, in an order that both hits
+        // and evicts; a decoder that never memoizes is the reference.
+        let values: Vec<String> = (0..MEMO_SLOTS + 2)
+            .map(|i| format!("/containerd.services.v{i}.S/Method{}", "x".repeat(i)))
+            .collect();
+        let mut memo = Decoder::new(4096);
+        for round in 0..3 {
+            for (k, v) in values.iter().enumerate().rev().skip(round) {
+                let mut block = huffman_literal(4, v);
+                block.extend(huffman_literal(1, &values[k % 2]));
+                let got = fields(&mut memo, &block);
+                assert_eq!(
+                    got,
+                    vec![
+                        (b":path".to_vec(), v.as_bytes().to_vec()),
+                        (b":authority".to_vec(), values[k % 2].as_bytes().to_vec()),
+                    ]
+                );
+            }
+        }
+        // An empty Huffman string and a bad one are not remembered.
+        assert_eq!(fields(&mut memo, &[0x04, 0x80])[0].1, b"");
+        assert!(memo
+            .decode(&[0x04, 0x84, 0xff, 0xff, 0xff, 0xff], |_, _| {})
+            .is_err());
+        assert_eq!(
+            fields(&mut memo, &huffman_literal(4, &values[0]))[0].1,
+            values[0].as_bytes()
+        );
+    }
 
     fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
         let mut out = Vec::new();

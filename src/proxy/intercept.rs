@@ -10,6 +10,7 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -17,9 +18,9 @@ use bytes::Bytes;
 #[derive(Clone, Debug, Default)]
 pub struct CallInfo {
     /// Full gRPC method path, e.g. `/containerd.services.images.v1.Images/Create`.
-    pub method: String,
+    pub method: Arc<str>,
     /// First `containerd-namespace` value, as containerd itself reads it.
-    pub namespace: Option<String>,
+    pub namespace: Option<Arc<str>>,
 }
 
 /// Future returned by hooks; an `Err` becomes the caller's gRPC status.

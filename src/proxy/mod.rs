@@ -20,6 +20,7 @@ pub mod listener;
 pub mod observe;
 pub mod raw;
 pub mod shards;
+mod sock;
 pub mod splice;
 pub mod tuning;
 pub mod upstream;
@@ -218,16 +219,16 @@ impl Connection {
         self: Arc<Self>,
         req: Request<Incoming>,
     ) -> Result<Response<Observed<ProxyBody>>, Infallible> {
-        let guard = (self.observer.as_ref())
-            .map(|o| CallGuard::new(o.clone(), req.uri().path().to_owned()));
         let call = CallInfo {
-            method: req.uri().path().to_owned(),
+            method: req.uri().path().into(),
             namespace: req
                 .headers()
                 .get("containerd-namespace")
                 .and_then(|v| v.to_str().ok())
-                .map(str::to_owned),
+                .map(Arc::from),
         };
+        let guard =
+            (self.observer.as_ref()).map(|o| CallGuard::new(o.clone(), call.method.clone()));
         let hook = self.interceptor.select(&call);
         let (mut parts, body) = req.into_parts();
         parts.uri = upstream_uri(&parts.uri);

@@ -3,7 +3,7 @@
 //! were relayed. The proxy only reports; counting lives in whoever implements
 //! [`CallObserver`] (`ops::Metrics`).
 //!
-//! Cost per call: one `String` clone of the path and two observer calls; per
+//! Cost per call: two observer calls (the path is shared, not copied); per
 //! DATA frame: one observer call (an atomic add in `ops::Metrics`).
 
 use std::pin::Pin;
@@ -36,12 +36,12 @@ pub trait CallObserver: Send + Sync + std::fmt::Debug + 'static {
 /// ends exactly once.
 pub struct CallGuard {
     observer: Arc<dyn CallObserver>,
-    method: String,
+    method: Arc<str>,
     status: Option<i32>,
 }
 
 impl CallGuard {
-    pub fn new(observer: Arc<dyn CallObserver>, method: String) -> CallGuard {
+    pub fn new(observer: Arc<dyn CallObserver>, method: Arc<str>) -> CallGuard {
         observer.call_started();
         CallGuard {
             observer,

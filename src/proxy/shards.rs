@@ -1,14 +1,12 @@
 //! Connection threads: each runs a single-threaded tokio runtime, and every
-//! accepted connection lives on one of them, with its upstream connection
-//! and every task hyper spawns for it.
+//! accepted connection lives on one of them, with its upstream connection.
 //!
-//! A unary call wakes about ten tasks in turn (hyper's server stream, its
-//! client dispatch and response tasks, both h2 connection tasks). On the
-//! multi-threaded runtime those wake-ups hop between worker threads and cost
-//! futex and eventfd system calls; kept on one thread they are plain queue
-//! pushes. Several threads still spread several connections over the CPUs,
-//! and the process's other work (replication, reconcile) stays on the main
-//! runtime, off the threads that relay calls.
+//! A spliced connection is one task whose two sockets are registered with
+//! its thread's own I/O driver, so a call's wake-ups never cross threads
+//! (on the multi-threaded runtime the same splice measured 3 to 4 µs slower
+//! per call). Several threads still spread several connections over the
+//! CPUs, and the process's other work (replication, reconcile) stays on the
+//! main runtime, off the threads that relay calls.
 
 use std::future::Future;
 use std::io;

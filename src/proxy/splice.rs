@@ -26,7 +26,6 @@ use std::task::{ready, Context, Poll};
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, Stream};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
@@ -35,6 +34,7 @@ use super::grpc;
 use super::hpack::Decoder;
 use super::intercept::{CallInfo, Hook, Interceptor};
 use super::observe::{CallGuard, CallObserver};
+use super::sock::Sock;
 
 /// Read buffer per direction; as large as the floor relay's.
 const BUF: usize = 256 << 10;
@@ -109,6 +109,11 @@ pub async fn run(
     ctx: Arc<Ctx>,
     drain: CancellationToken,
 ) -> Result<(), SpliceError> {
+    let (client, upstream) = match (Sock::new(client), Sock::new(upstream)) {
+        (Ok(c), Ok(u)) => (c, u),
+        (Err(e), _) => return Err(SpliceError::Read(Side::Client, e)),
+        (_, Err(e)) => return Err(SpliceError::Read(Side::Containerd, e)),
+    };
     let mut s = Splice {
         client,
         upstream,
@@ -117,13 +122,14 @@ pub async fn run(
         st: State::new(ctx),
         drain: Some(Box::pin(drain.cancelled_owned())),
         grace: None,
+        linger: None,
     };
     std::future::poll_fn(|cx| s.poll(cx)).await
 }
 
 struct Splice {
-    client: UnixStream,
-    upstream: UnixStream,
+    client: Sock,
+    upstream: Sock,
     /// Client to containerd.
     up: Pump,
     /// containerd to client.
@@ -132,11 +138,54 @@ struct Splice {
     drain: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     /// Runs once containerd is lost: how long the client gets to hang up.
     grace: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set once a drain has answered every call and our side is closed.
+    linger: Option<Linger>,
 }
 
 /// After containerd went away: how long a client that received GOAWAY may
 /// keep the connection before it is closed.
 const LOST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// After a drain answered every call: how long the client may keep the
+/// connection (it may still be reading the last reply) before it is closed.
+const DRAIN_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often a lingering connection checks whether the client has read
+/// everything.
+const LINGER_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Keeps a drained connection open while the client is still reading: until
+/// it hangs up, or has left nothing unread for a whole check period (time to
+/// act on what it read), or `DRAIN_LINGER` is over.
+struct Linger {
+    deadline: tokio::time::Instant,
+    check: Pin<Box<tokio::time::Sleep>>,
+    drained_once: bool,
+}
+
+impl Linger {
+    fn new() -> Linger {
+        let now = tokio::time::Instant::now();
+        Linger {
+            deadline: now + DRAIN_LINGER,
+            check: Box::pin(tokio::time::sleep_until(now + LINGER_CHECK)),
+            drained_once: false,
+        }
+    }
+
+    /// Ready when the connection may be closed.
+    fn poll(&mut self, cx: &mut Context<'_>, client: &Sock) -> Poll<()> {
+        while self.check.as_mut().poll(cx).is_ready() {
+            let now = tokio::time::Instant::now();
+            let drained = client.unread().map_or(true, |n| n == 0);
+            if (drained && self.drained_once) || now >= self.deadline {
+                return Poll::Ready(());
+            }
+            self.drained_once = drained;
+            self.check.as_mut().reset(now + LINGER_CHECK);
+        }
+        Poll::Pending
+    }
+}
 
 impl Splice {
     /// containerd closed the connection or broke it. Calls in flight are
@@ -192,6 +241,15 @@ impl Splice {
             }
         }
         loop {
+            if let Some(linger) = self.linger.as_mut() {
+                // Our side is closed; the client's frames go nowhere.
+                if self.up.discard(cx, &self.client).is_ready()
+                    || linger.poll(cx, &self.client).is_ready()
+                {
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Pending;
+            }
             while let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) {
                 self.st
                     .outcome(outcome, &mut self.up.inject, &mut self.down.inject);
@@ -211,6 +269,7 @@ impl Splice {
                 &mut self.up.inject,
                 &mut self.st,
             );
+            self.st.ended.clear();
             let (up_done, down_done) = match (up, down) {
                 (Ok(u), Ok(d)) => (u, d),
                 (Err(e), _) | (_, Err(e)) if e.is_containerd_io() => {
@@ -236,7 +295,13 @@ impl Splice {
                 && self.up.idle()
                 && self.down.idle()
             {
-                return Poll::Ready(Ok(()));
+                // Every call is answered. Closing the socket now would make
+                // the client's next write (a WINDOW_UPDATE for the reply it
+                // is still reading) fail with EPIPE, and that error would
+                // fail the reply: half-close, and read until it hangs up.
+                let _ = self.client.shutdown_write();
+                self.linger = Some(Linger::new());
+                continue;
             }
             // Go round again only for work queued after its pump was polled.
             let again =
@@ -265,6 +330,8 @@ struct Pump {
     /// Frames from elsewhere (the other direction, hook results), written at
     /// the next frame boundary.
     inject: VecDeque<Bytes>,
+    /// Frames [`State::frame`] puts in place of the one it was given.
+    emit: VecDeque<Bytes>,
     /// A header block that spans CONTINUATION frames.
     block: Option<Block>,
     preface: bool,
@@ -294,6 +361,7 @@ impl Pump {
             want: HEADER_LEN,
             segs: VecDeque::new(),
             inject: VecDeque::new(),
+            emit: VecDeque::new(),
             block: None,
             preface: from == Side::Client,
             eof: false,
@@ -325,6 +393,20 @@ impl Pump {
     /// Moves the bytes read so far forward: DATA of ordinary calls as is, the
     /// rest through [`State::frame`].
     fn classify(&mut self, other: &mut VecDeque<Bytes>, st: &mut State) -> Result<(), SpliceError> {
+        // Kept between calls so that a reply's frames cost no allocation.
+        let mut emit = std::mem::take(&mut self.emit);
+        let r = self.classify_into(&mut emit, other, st);
+        self.segs.extend(emit.drain(..).map(Seg::Own));
+        self.emit = emit;
+        r
+    }
+
+    fn classify_into(
+        &mut self,
+        emit: &mut VecDeque<Bytes>,
+        other: &mut VecDeque<Bytes>,
+        st: &mut State,
+    ) -> Result<(), SpliceError> {
         if self.preface {
             if self.end - self.scan < frames::PREFACE.len() {
                 self.want = frames::PREFACE.len();
@@ -337,7 +419,6 @@ impl Pump {
             self.scan += frames::PREFACE.len();
             self.preface = false;
         }
-        let mut emit = VecDeque::new();
         loop {
             if self.skip > 0 {
                 let n = self.skip.min(self.end - self.scan);
@@ -383,12 +464,8 @@ impl Pump {
             }
             let frame = &self.buf[self.scan..self.scan + total];
             let verdict = match self.from {
-                Side::Client => {
-                    st.frame(self.from, &head, frame, &mut self.block, &mut emit, other)
-                }
-                Side::Containerd => {
-                    st.frame(self.from, &head, frame, &mut self.block, other, &mut emit)
-                }
+                Side::Client => st.frame(self.from, &head, frame, &mut self.block, emit, other),
+                Side::Containerd => st.frame(self.from, &head, frame, &mut self.block, other, emit),
             }?;
             if verdict == Verdict::Forward {
                 self.push_buf(self.scan, self.scan + total);
@@ -398,7 +475,7 @@ impl Pump {
         }
     }
 
-    fn flush(&mut self, cx: &mut Context<'_>, dst: &mut UnixStream) -> Poll<io::Result<()>> {
+    fn flush(&mut self, cx: &mut Context<'_>, dst: &mut Sock) -> Poll<io::Result<()>> {
         while !self.segs.is_empty() {
             let mut iov = [IoSlice::new(&[]); 64];
             let mut k = 0;
@@ -409,7 +486,7 @@ impl Pump {
                 });
                 k += 1;
             }
-            let mut n = ready!(Pin::new(&mut *dst).poll_write_vectored(cx, &iov[..k]))?;
+            let mut n = ready!(dst.poll_write_vectored(cx, &iov[..k]))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
@@ -436,6 +513,17 @@ impl Pump {
             }
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Reads and drops what `src` sends; ready at its end of stream or error.
+    fn discard(&mut self, cx: &mut Context<'_>, src: &Sock) -> Poll<io::Result<()>> {
+        loop {
+            match ready!(src.poll_read(cx, &mut self.buf)) {
+                Ok(0) => return Poll::Ready(Ok(())),
+                Ok(_) => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
     }
 
     /// Room to read at `end`, and for a whole frame from `scan`. Only called
@@ -466,8 +554,8 @@ impl Pump {
     fn poll(
         &mut self,
         cx: &mut Context<'_>,
-        src: &mut UnixStream,
-        dst: &mut UnixStream,
+        src: &mut Sock,
+        dst: &mut Sock,
         other: &mut VecDeque<Bytes>,
         st: &mut State,
     ) -> Result<bool, SpliceError> {
@@ -503,26 +591,21 @@ impl Pump {
                     // Keep writing to the client until the splice ends.
                     return Ok(false);
                 }
-                return match Pin::new(&mut *dst).poll_shutdown(cx) {
-                    Poll::Pending => Ok(false),
-                    Poll::Ready(_) => {
-                        self.done = true;
-                        Ok(true)
-                    }
-                };
+                // Whether the peer took the half-close or had gone already,
+                // this direction is finished.
+                let _ = dst.shutdown_write();
+                self.done = true;
+                return Ok(true);
             }
             self.make_room();
-            let mut rb = ReadBuf::new(&mut self.buf[self.end..]);
-            match Pin::new(&mut *src).poll_read(cx, &mut rb) {
+            match src.poll_read(cx, &mut self.buf[self.end..]) {
                 Poll::Pending => return Ok(false),
                 Poll::Ready(Err(e)) => return Err(SpliceError::Read(self.from, e)),
-                Poll::Ready(Ok(())) => match rb.filled().len() {
-                    0 => {
-                        self.eof = true;
-                        st.client_gone |= self.from == Side::Client;
-                    }
-                    n => self.end += n,
-                },
+                Poll::Ready(Ok(0)) => {
+                    self.eof = true;
+                    st.client_gone |= self.from == Side::Client;
+                }
+                Poll::Ready(Ok(n)) => self.end += n,
             }
         }
     }
@@ -549,6 +632,24 @@ struct State {
     lost: bool,
     /// The client closed its side: containerd's EOF is the normal end.
     client_gone: bool,
+    /// The last `:path` and namespace seen: calls on a connection mostly
+    /// repeat them, and sharing saves an allocation per call.
+    seen_path: Option<Arc<str>>,
+    seen_namespace: Option<Arc<str>>,
+    /// Where containerd's header blocks are re-encoded: each frame is split
+    /// off, and the space is reused once the frames are written.
+    out: BytesMut,
+    /// Calls answered in this round, reported to the observer once the
+    /// round's writes are done.
+    ended: Vec<CallGuard>,
+}
+
+/// `v` as a shared string, reusing `seen` when it holds the same text.
+fn intern(seen: &mut Option<Arc<str>>, v: &[u8]) -> Arc<str> {
+    match seen {
+        Some(s) if s.as_bytes() == v => s.clone(),
+        _ => seen.insert(String::from_utf8_lossy(v).into()).clone(),
+    }
 }
 
 struct Call {
@@ -567,6 +668,10 @@ enum Before {
     Running,
     Done,
 }
+
+/// Room for the re-encoded header frames of many replies: the space is
+/// reclaimed in place once they are written.
+const OUT_ARENA: usize = 4096;
 
 /// Stream ids are distinct small integers: a multiply spreads them over the
 /// hash bits; SipHash was a measurable share of a call's CPU.
@@ -656,6 +761,10 @@ impl State {
             goaway: None,
             lost: false,
             client_gone: false,
+            seen_path: None,
+            seen_namespace: None,
+            out: BytesMut::with_capacity(OUT_ARENA),
+            ended: Vec::new(),
         }
     }
 
@@ -681,7 +790,15 @@ impl State {
             o.bytes_relayed(head.len as u64);
         }
         if head.has(frames::END_STREAM) {
-            self.calls.remove(&head.stream);
+            self.end_call(head.stream);
+        }
+    }
+
+    /// Forgets an answered call. Its metrics are recorded after the reply
+    /// is written (see `ended`), not between reading and writing it.
+    fn end_call(&mut self, stream: u32) {
+        if let Some(guard) = self.calls.remove(&stream).and_then(|c| c.guard) {
+            self.ended.push(guard);
         }
     }
 
@@ -790,11 +907,12 @@ impl State {
     ) -> Result<(), SpliceError> {
         let mut path = None;
         let mut namespace = None;
+        let (seen_path, seen_ns) = (&mut self.seen_path, &mut self.seen_namespace);
         (self.client_dec)
             .decode(block, |n, v| match n {
-                b":path" => path = Some(String::from_utf8_lossy(v).into_owned()),
+                b":path" => path = Some(intern(seen_path, v)),
                 b"containerd-namespace" if namespace.is_none() => {
-                    namespace = Some(String::from_utf8_lossy(v).into_owned())
+                    namespace = Some(intern(seen_ns, v))
                 }
                 _ => {}
             })
@@ -830,7 +948,7 @@ impl State {
             return Ok(());
         }
         let info = CallInfo {
-            method: path.unwrap_or_default(),
+            method: path.unwrap_or_else(|| "".into()),
             namespace,
         };
         let held = self.ctx.interceptor.select(&info).map(|hook| {
@@ -841,7 +959,7 @@ impl State {
                     Before::NotWanted
                 },
                 hook: Some(hook),
-                method: info.method.clone(),
+                method: info.method.to_string(),
                 ..Held::default()
             })
         });
@@ -895,9 +1013,10 @@ impl State {
             return Ok(());
         }
         let mut status = None;
-        let mut frame = BytesMut::with_capacity(block.len() + 64);
+        let frame = &mut self.out;
+        frame.reserve(block.len() + 64);
         let dec = &mut self.server_dec;
-        frames::header_frames(stream, end_stream, &mut frame, |out| {
+        frames::header_frames(stream, end_stream, frame, |out| {
             dec.decode(block, |n, v| {
                 if n == b"grpc-status" {
                     status = grpc::parse_status(v);
@@ -912,10 +1031,11 @@ impl State {
             }
         }
         if end_stream {
-            self.calls.remove(&stream);
+            self.end_call(stream);
         }
+        let frame = self.out.split().freeze();
         if !refused {
-            down.push_back(frame.freeze());
+            down.push_back(frame);
         }
         Ok(())
     }
@@ -1258,7 +1378,7 @@ mod tests {
 
     impl Interceptor for Rules {
         fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
-            if call.method != "/t.S/Held" {
+            if &*call.method != "/t.S/Held" {
                 return None;
             }
             let (fail, gate, wait) = (
@@ -1552,7 +1672,19 @@ mod tests {
             kinds.push(read_frame(&mut client).await.0.kind);
         }
         assert_eq!(kinds, [frames::HEADERS, frames::DATA, frames::HEADERS]);
-        tokio::time::timeout(std::time::Duration::from_secs(5), task)
+        // Our side is closed, yet the client may still write (a window
+        // update for the reply it read) without EPIPE; its hang-up ends
+        // the splice well before the linger time.
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+        client
+            .write_all(&frame(frames::WINDOW_UPDATE, 0, 0, &[0, 0, 0, 9]))
+            .await
+            .unwrap();
+        // Having read everything, it need not hang up: the splice ends once
+        // nothing was left unread for a check period.
+        tokio::time::timeout(DRAIN_LINGER / 2, task)
             .await
             .expect("splice ends after the last call")
             .unwrap()

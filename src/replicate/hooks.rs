@@ -43,7 +43,7 @@ impl Interceptor for ImageHooks {
             .filter(|ns| self.r.is_source(ns))?
             .to_string();
         let r = self.r.clone();
-        match call.method.as_str() {
+        match &*call.method {
             CREATE => Some(typed(
                 move |_: CreateImageRequest, resp: CreateImageResponse| async move {
                     match resp.image {
