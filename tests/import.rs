@@ -421,8 +421,8 @@ async fn cli_import_formats_and_failures() {
             .all(|l| l.contains("complete")),
         "{check}"
     );
-    let run = ctd.ctr(&["run", "--rm", A, "t-a", "/bin/busybox", "echo", "ran-a"]);
-    assert!(run.contains("ran-a"));
+    let run = common::ctr_run(&ctd.sock, "k8s.io", A, &["/bin/busybox", "echo", "ran-a"]);
+    assert_eq!(run, "ran-a\n");
 }
 
 /// Wraps an OCI archive's manifest in an index that also lists an arm64

@@ -882,6 +882,32 @@ where
 
 /// Like [`ctr`] but panics (with stdout, stderr and the logs next to `sock`)
 /// unless it succeeds; returns stdout.
+/// `ctr run --rm` of `image` running `cmd` through `sock`; returns what
+/// `cmd` printed. The output goes to a bind-mounted file rather than ctr's
+/// stdout: ctr cancels its FIFO copy as soon as the exit status arrives, so
+/// a short-lived container's stdout is sometimes lost (a ctr race, seen
+/// under load, with or without imgbridge).
+pub fn ctr_run(sock: &Path, ns: &str, image: &str, cmd: &[&str]) -> String {
+    let out = tempdir("run-");
+    let mount = format!(
+        "type=bind,src={},dst=/out,options=rbind:rw",
+        out.path().display()
+    );
+    let id = unique_name("ctr-run");
+    let mut args = vec!["run", "--rm", "--mount", &mount, image, &id];
+    args.extend([
+        "/bin/busybox",
+        "sh",
+        "-c",
+        "exec \"$@\" > /out/stdout",
+        "sh",
+    ]);
+    args.extend(cmd);
+    ctr_ok(sock, ns, &args);
+    std::fs::read_to_string(out.path().join("stdout"))
+        .unwrap_or_else(|e| panic!("ctr run of {image} wrote no output: {e}"))
+}
+
 pub fn ctr_ok<I, S>(sock: &Path, ns: &str, args: I) -> String
 where
     I: IntoIterator<Item = S>,
