@@ -154,6 +154,10 @@ stream_test() { # name, GiB moved per run, then client args after --socket S
     shift 2
     for ((r = 0; r < ROUNDS; r++)); do
         for i in $(order $r); do
+            # Each write starts with no dirty pages left by the one before:
+            # otherwise their writeback lands on every other run, and a
+            # target's result depends on its position in the round.
+            if [[ $test == write ]]; then sync; fi
             c0=$(cpu_ticks "${procs[$i]}")
             out=$("$client" "$1" --socket "${socks[$i]}" "${@:2}")
             v=$(kv mbps <<<"$out")
