@@ -64,7 +64,6 @@ pub async fn serve(
         tasks.push(tokio::spawn(import_metrics(
             stats,
             ops.metrics.clone(),
-            config.import.pin,
             stop.clone(),
         )));
     }
@@ -98,7 +97,6 @@ pub async fn serve(
 async fn import_metrics(
     stats: Arc<crate::import::Stats>,
     m: Arc<ops::metrics::Metrics>,
-    pin: bool,
     stop: CancellationToken,
 ) {
     use crate::import::Stats;
@@ -109,7 +107,7 @@ async fn import_metrics(
             Stats::get(&stats.imported) + Stats::get(&stats.pulled),
             Stats::get(&stats.failures) + Stats::get(&stats.pull_failures),
             Stats::get(&stats.skipped),
-            Stats::get(&stats.images) + Stats::get(&stats.pulled),
+            Stats::get(&stats.pinned),
             Stats::get(&stats.unpinned),
         ];
         for _ in seen[0]..now[0] {
@@ -121,10 +119,8 @@ async fn import_metrics(
         for _ in seen[2]..now[2] {
             m.imported_file(Outcome::Skipped);
         }
-        if pin {
-            for _ in seen[3]..now[3] {
-                m.pinned();
-            }
+        for _ in seen[3]..now[3] {
+            m.pinned();
         }
         for _ in seen[4]..now[4] {
             m.unpinned();

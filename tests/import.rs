@@ -704,6 +704,10 @@ async fn unpin_rules() {
         !lc.contains_key(IMPORT),
         "someone else's pin is not taken over"
     );
+    // What imgbridge_pins_total reports: a1 and a2 each pinned A for their
+    // file; c.tar's record was written but its pin is someone else's.
+    assert_eq!(r.get(|s| &s.images), 3);
+    assert_eq!(r.get(|s| &s.pinned), 2);
     std::fs::remove_file(dir.join("a1.tar")).unwrap();
     poll("a1 removed from the label", 30, || async {
         labels(&c, A)

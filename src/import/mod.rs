@@ -86,6 +86,8 @@ pub struct Stats {
     /// References pulled or found present by pull lists.
     pub pulled: AtomicU64,
     pub pull_failures: AtomicU64,
+    /// Images pinned (for a file) by archive imports or pull lists.
+    pub pinned: AtomicU64,
     /// Images whose pin was removed or narrowed.
     pub unpinned: AtomicU64,
     /// Completed full scans (the first one ends the start-up pass).
@@ -653,9 +655,11 @@ impl Importer {
                 for f in &o.failures {
                     tracing::error!(file = %path.display(), "{f}");
                 }
-                inc(&self.stats.imported, 1);
                 inc(&self.stats.images, o.images.len() as u64);
+                inc(&self.stats.pinned, o.pinned);
                 inc(&self.stats.failures, o.failures.len() as u64);
+                // Last: a reader that sees the file counted sees its images.
+                inc(&self.stats.imported, 1);
                 let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
                 tracing::info!(
                     file = %path.display(),
@@ -846,7 +850,8 @@ impl Importer {
                 let mut target = target;
                 if self.cfg.pin {
                     match pin::pin(&self.c, pull::CRI_NAMESPACE, &reference, &hash).await {
-                        Ok(Some(img)) => {
+                        Ok(Some((img, pinned))) => {
+                            inc(&self.stats.pinned, u64::from(pinned));
                             target = img.target.map(|t| t.digest).unwrap_or(target);
                         }
                         Ok(None) => {

@@ -58,13 +58,14 @@ pub fn format_sources(set: &BTreeSet<String>) -> String {
 /// Writes (or moves) the record `name` → `target` in `ns`, keeping every
 /// label already there, and pins it for `source` when given. A moved
 /// target also drops CRI's `managed` mark so CRI re-reads the image.
+/// The flag says whether this call set the pin (for `source`).
 pub async fn record(
     c: &Containerd,
     ns: &str,
     name: &str,
     target: &Descriptor,
     source: Option<&str>,
-) -> Result<Image> {
+) -> Result<(Image, bool)> {
     for _ in 0..5 {
         match c.get_image(ns, name).await? {
             None => {
@@ -81,7 +82,7 @@ pub async fn record(
                 };
                 match c.create_image(ns, img).await {
                     Err(e) if e.is(tonic::Code::AlreadyExists) => continue,
-                    other => return other,
+                    other => return other.map(|img| (img, source.is_some())),
                 }
             }
             Some(existing) => {
@@ -99,18 +100,20 @@ pub async fn record(
                     mask.push(format!("labels.{CRI_MANAGED}"));
                     img.labels.insert(CRI_MANAGED.into(), String::new());
                 }
+                let mut pins = false;
                 if let Some(s) = source {
                     if let Some(labels) = pin_labels(&existing, s) {
                         mask.extend(labels.keys().map(|k| format!("labels.{k}")));
                         img.labels.extend(labels);
+                        pins = true;
                     }
                 }
                 if mask.is_empty() {
-                    return Ok(existing);
+                    return Ok((existing, false));
                 }
                 match c.update_image(ns, img, mask).await {
                     Err(e) if e.is(tonic::Code::NotFound) => continue,
-                    other => return other,
+                    other => return other.map(|img| (img, pins)),
                 }
             }
         }
@@ -142,15 +145,21 @@ fn pin_labels(img: &Image, source: &str) -> Option<HashMap<String, String>> {
 }
 
 /// Pins an existing record for `source` (pull lists: CRI wrote the record).
-/// Returns the record, or `None` if it does not exist.
-pub async fn pin(c: &Containerd, ns: &str, name: &str, source: &str) -> Result<Option<Image>> {
+/// Returns the record and whether this call set the pin, or `None` if the
+/// record does not exist.
+pub async fn pin(
+    c: &Containerd,
+    ns: &str,
+    name: &str,
+    source: &str,
+) -> Result<Option<(Image, bool)>> {
     let Some(img) = c.get_image(ns, name).await? else {
         return Ok(None);
     };
-    match pin_labels(&img, source) {
-        Some(labels) => c.update_image_labels(ns, name, labels).await,
-        None => Ok(Some(img)),
-    }
+    Ok(match pin_labels(&img, source) {
+        Some(labels) => (c.update_image_labels(ns, name, labels).await?).map(|img| (img, true)),
+        None => Some((img, false)),
+    })
 }
 
 /// What [`unpin`] did.

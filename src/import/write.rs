@@ -181,6 +181,8 @@ impl BlobWrite for ContainerdWrite {
 pub struct ArchiveOutcome {
     /// Image name → target digest, for every record written.
     pub images: Vec<(String, String)>,
+    /// Records this import pinned (for its file).
+    pub pinned: u64,
     pub failures: Vec<String>,
     pub warnings: Vec<String>,
     pub raw_bytes: u64,
@@ -304,7 +306,10 @@ async fn write_plan(
         };
         for name in &img.names {
             match pin::record(c, ns, name, &target, source).await {
-                Ok(_) => out.images.push((name.clone(), target.digest.clone())),
+                Ok((_, pinned)) => {
+                    out.images.push((name.clone(), target.digest.clone()));
+                    out.pinned += u64::from(pinned);
+                }
                 Err(e) if e.is(tonic::Code::Unavailable) => return Err(e.into()),
                 Err(e) => out.failures.push(format!("{name}: {e}")),
             }
