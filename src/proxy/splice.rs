@@ -1628,6 +1628,34 @@ mod tests {
             .unwrap();
     }
 
+    /// A drained connection whose client never reads the last reply is not
+    /// kept open: it closes once the linger time is over.
+    #[tokio::test]
+    async fn drained_connection_of_a_client_that_stops_reading_closes_after_the_linger() {
+        let drain = CancellationToken::new();
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_with(rules, drain.clone());
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        drain.cancel();
+        server.write_all(&ok_reply(1)).await.unwrap();
+        // The client reads nothing from here on.
+        let started = std::time::Instant::now();
+        tokio::time::timeout(DRAIN_LINGER * 3, task)
+            .await
+            .expect("the linger has a deadline")
+            .unwrap()
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took >= DRAIN_LINGER - LINGER_CHECK,
+            "closed after {took:?} while the client still had a reply to read"
+        );
+        drop(client);
+    }
+
     #[tokio::test]
     async fn drain_finishes_calls_in_flight_and_refuses_new_ones() {
         let drain = CancellationToken::new();
