@@ -1628,17 +1628,23 @@ mod tests {
             .unwrap();
     }
 
+    /// A splice with stream 1 (a plain call) sent to containerd, unanswered.
+    async fn call_in_flight(drain: CancellationToken) -> (UnixStream, UnixStream, Task) {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_with(rules, drain);
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        (client, server, task)
+    }
+
     /// A drained connection whose client never reads the last reply is not
     /// kept open: it closes once the linger time is over.
     #[tokio::test]
     async fn drained_connection_of_a_client_that_stops_reading_closes_after_the_linger() {
         let drain = CancellationToken::new();
-        let rules = Rules::new(false, false, Arc::new(Notify::new()));
-        let (mut client, mut server, task) = start_with(rules, drain.clone());
-        let mut sent = frames::PREFACE.to_vec();
-        sent.extend(request(1, "/t.S/Plain"));
-        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
-        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let (client, mut server, task) = call_in_flight(drain.clone()).await;
         drain.cancel();
         server.write_all(&ok_reply(1)).await.unwrap();
         // The client reads nothing from here on.
@@ -1659,12 +1665,7 @@ mod tests {
     #[tokio::test]
     async fn drain_finishes_calls_in_flight_and_refuses_new_ones() {
         let drain = CancellationToken::new();
-        let rules = Rules::new(false, false, Arc::new(Notify::new()));
-        let (mut client, mut server, task) = start_with(rules, drain.clone());
-        let mut sent = frames::PREFACE.to_vec();
-        sent.extend(request(1, "/t.S/Plain"));
-        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
-        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let (mut client, mut server, task) = call_in_flight(drain.clone()).await;
 
         drain.cancel();
         let (h, p) = read_frame(&mut client).await;
