@@ -330,7 +330,8 @@ struct Pump {
     /// Frames from elsewhere (the other direction, hook results), written at
     /// the next frame boundary.
     inject: VecDeque<Bytes>,
-    /// Frames [`State::frame`] puts in place of the one it was given.
+    /// Frames [`State::frame`] puts in place of the one it was given; kept
+    /// (empty) between frames so that a reply costs no allocation.
     emit: VecDeque<Bytes>,
     /// A header block that spans CONTINUATION frames.
     block: Option<Block>,
@@ -393,20 +394,6 @@ impl Pump {
     /// Moves the bytes read so far forward: DATA of ordinary calls as is, the
     /// rest through [`State::frame`].
     fn classify(&mut self, other: &mut VecDeque<Bytes>, st: &mut State) -> Result<(), SpliceError> {
-        // Kept between calls so that a reply's frames cost no allocation.
-        let mut emit = std::mem::take(&mut self.emit);
-        let r = self.classify_into(&mut emit, other, st);
-        self.segs.extend(emit.drain(..).map(Seg::Own));
-        self.emit = emit;
-        r
-    }
-
-    fn classify_into(
-        &mut self,
-        emit: &mut VecDeque<Bytes>,
-        other: &mut VecDeque<Bytes>,
-        st: &mut State,
-    ) -> Result<(), SpliceError> {
         if self.preface {
             if self.end - self.scan < frames::PREFACE.len() {
                 self.want = frames::PREFACE.len();
@@ -464,13 +451,27 @@ impl Pump {
             }
             let frame = &self.buf[self.scan..self.scan + total];
             let verdict = match self.from {
-                Side::Client => st.frame(self.from, &head, frame, &mut self.block, emit, other),
-                Side::Containerd => st.frame(self.from, &head, frame, &mut self.block, other, emit),
+                Side::Client => st.frame(
+                    self.from,
+                    &head,
+                    frame,
+                    &mut self.block,
+                    &mut self.emit,
+                    other,
+                ),
+                Side::Containerd => st.frame(
+                    self.from,
+                    &head,
+                    frame,
+                    &mut self.block,
+                    other,
+                    &mut self.emit,
+                ),
             }?;
             if verdict == Verdict::Forward {
                 self.push_buf(self.scan, self.scan + total);
             }
-            self.segs.extend(emit.drain(..).map(Seg::Own));
+            self.segs.extend(self.emit.drain(..).map(Seg::Own));
             self.scan += total;
         }
     }
