@@ -108,6 +108,8 @@ pub struct Decoder {
     value_buf: Vec<u8>,
     /// Recently decoded Huffman strings, by their encoded bytes.
     memo: Memo,
+    /// Table changes (insertions, size updates) so far.
+    changes: u64,
 }
 
 /// A few recent Huffman strings with their decoded form. Clients send the
@@ -172,7 +174,14 @@ impl Decoder {
             name_buf: Vec::new(),
             value_buf: Vec::new(),
             memo: Memo::default(),
+            changes: 0,
         }
+    }
+
+    /// Counts the blocks' table changes: a block that left it unchanged can
+    /// be dropped, or delivered late, without the peers' tables diverging.
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Decodes one complete header block, calling `f(name, value)` per field.
@@ -198,6 +207,7 @@ impl Decoder {
                     return Err(HpackError::SizeUpdate(max, self.limit));
                 }
                 self.max = max;
+                self.changes += 1;
                 self.evict(0);
                 continue; // more size updates may follow
             } else {
@@ -251,6 +261,7 @@ impl Decoder {
     }
 
     fn insert(&mut self, name: Bytes, value: Bytes) {
+        self.changes += 1;
         let size = name.len() + value.len() + ENTRY_OVERHEAD;
         if size > self.max {
             // An entry larger than the table empties it (§4.4).

@@ -37,6 +37,11 @@ impl ImageHooks {
 
 impl Interceptor for ImageHooks {
     fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
+        // Every call comes through here: the method test first, allocation
+        // only for a call that is held.
+        if !matches!(&*call.method, CREATE | UPDATE | DELETE | TRANSFER) {
+            return None;
+        }
         let ns = call
             .namespace
             .as_deref()
