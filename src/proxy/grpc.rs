@@ -6,10 +6,9 @@
 //! frames (see `fuzz/fuzz_targets/grpc_frame.rs`).
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response};
+use http::{HeaderValue, Response};
+use http_body_util::Empty;
 use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
-
-use super::body::{ProxyBody, Replay};
 
 /// Size of the gRPC message prefix: 1 byte compressed flag + 4 bytes length.
 pub const PREFIX_LEN: usize = 5;
@@ -85,15 +84,6 @@ pub fn encode_message(message: &str) -> String {
         .collect()
 }
 
-/// The `grpc-status` of a reply: from trailers when present, else from the
-/// headers (a Trailers-Only reply). `None` means the peer sent neither.
-pub fn status_code(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<i32> {
-    trailers
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| headers.get("grpc-status"))
-        .and_then(|v| parse_status(v.as_bytes()))
-}
-
 /// A `grpc-status` value as sent on the wire.
 pub fn parse_status(value: &[u8]) -> Option<i32> {
     std::str::from_utf8(value).ok()?.parse().ok()
@@ -101,10 +91,11 @@ pub fn parse_status(value: &[u8]) -> Option<i32> {
 
 /// A Trailers-Only error reply: HEADERS with END_STREAM carrying the status.
 ///
-/// `B` must report `is_end_stream() == true`, or grpc-go clients fail with
-/// "server closed the stream without sending trailers".
-pub fn error_response(code: tonic::Code, message: &str) -> Response<ProxyBody> {
-    let mut resp = Response::new(ProxyBody::Right(Replay::default()));
+/// The body must report `is_end_stream() == true` (as `Empty` does), or
+/// grpc-go clients fail with "server closed the stream without sending
+/// trailers".
+pub fn error_response(code: tonic::Code, message: &str) -> Response<Empty<Bytes>> {
+    let mut resp = Response::new(Empty::new());
     let h = resp.headers_mut();
     h.insert("content-type", HeaderValue::from_static("application/grpc"));
     h.insert("grpc-status", HeaderValue::from(code as i32));
@@ -146,17 +137,6 @@ mod tests {
             unary_message(&Bytes::from_static(&[0, 0xff, 0xff, 0xff, 0xff])),
             Err(FrameError::TooLarge(u32::MAX as usize))
         );
-    }
-
-    #[test]
-    fn status_prefers_trailers() {
-        let mut h = HeaderMap::new();
-        h.insert("grpc-status", HeaderValue::from_static("5"));
-        let mut t = HeaderMap::new();
-        t.insert("grpc-status", HeaderValue::from_static("0"));
-        assert_eq!(status_code(&h, Some(&t)), Some(0));
-        assert_eq!(status_code(&h, None), Some(5));
-        assert_eq!(status_code(&HeaderMap::new(), None), None);
     }
 
     #[test]
