@@ -122,17 +122,9 @@ impl Containerd {
         lease: Option<&str>,
         blob: BlobRef<'_>,
     ) -> Result<Linked> {
-        let mut w = match self.open_writer(target, lease, &blob).await? {
-            Opened::Present => return Ok(Linked::Present),
-            Opened::Writer(w) => w,
-        };
-        if w.offset == blob.size {
-            w.commit(&blob).await?;
-            return Ok(Linked::Shared);
-        }
-        let data = self.read_stream(source, blob.digest).await?;
-        w.write_all(data, &blob).await?;
-        Ok(Linked::Copied)
+        let digest = blob.digest;
+        self.write_with(target, lease, blob, || self.read_stream(source, digest))
+            .await
     }
 
     /// Shared content in ONE round trip: a first message that is already the
@@ -232,6 +224,24 @@ impl Containerd {
     where
         S: Stream<Item = Result<Bytes>> + Send + Unpin,
     {
+        self.write_with(ns, lease, blob, || async { Ok(data) })
+            .await
+    }
+
+    /// Opens an ingest of `blob` in `ns` and asks `data` for the bytes only
+    /// if containerd has neither the blob nor shared bytes for it.
+    async fn write_with<S, F, Fut>(
+        &self,
+        ns: &str,
+        lease: Option<&str>,
+        blob: BlobRef<'_>,
+        data: F,
+    ) -> Result<Linked>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<S>>,
+        S: Stream<Item = Result<Bytes>> + Send + Unpin,
+    {
         let mut w = match self.open_writer(ns, lease, &blob).await? {
             Opened::Present => return Ok(Linked::Present),
             Opened::Writer(w) => w,
@@ -240,7 +250,7 @@ impl Containerd {
             w.commit(&blob).await?;
             return Ok(Linked::Shared);
         }
-        w.write_all(data, &blob).await?;
+        w.write_all(data().await?, &blob).await?;
         Ok(Linked::Copied)
     }
 
