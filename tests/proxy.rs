@@ -58,18 +58,7 @@ fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
     let digest = sha256_digest(&data);
     let rss_before = rss_kib(p.pid());
     ctr_ingest(p.socket(), NS, &digest, &blob);
-    let got = Command::new("ctr")
-        .args([
-            "-a",
-            p.socket().to_str().unwrap(),
-            "-n",
-            NS,
-            "content",
-            "get",
-            &digest,
-        ])
-        .output()
-        .unwrap();
+    let got = ctr(p.socket(), NS, ["content", "get", &digest]);
     assert!(
         got.status.success(),
         "get: {}",

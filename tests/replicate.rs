@@ -282,30 +282,8 @@ async fn isolated_content_sharing_copies_bytes() {
         .await
         .digest;
     for d in stored_blobs(c.socket(), SRC, &manifest) {
-        let src = Command::new("ctr")
-            .args([
-                "-a",
-                c.socket().to_str().unwrap(),
-                "-n",
-                SRC,
-                "content",
-                "get",
-                &d,
-            ])
-            .output()
-            .unwrap();
-        let dst = Command::new("ctr")
-            .args([
-                "-a",
-                c.socket().to_str().unwrap(),
-                "-n",
-                K8S,
-                "content",
-                "get",
-                &d,
-            ])
-            .output()
-            .unwrap();
+        let src = ctr(c.socket(), SRC, ["content", "get", &d]);
+        let dst = ctr(c.socket(), K8S, ["content", "get", &d]);
         assert!(
             dst.status.success(),
             "{d} not readable in k8s.io: {}",
