@@ -63,15 +63,6 @@ pub fn unary_message(body: &Bytes) -> Result<Bytes, FrameError> {
     Ok(body.slice(PREFIX_LEN..))
 }
 
-/// Frames one message (uncompressed), as a gRPC sender would.
-pub fn frame(message: &[u8]) -> Bytes {
-    let mut out = Vec::with_capacity(PREFIX_LEN + message.len());
-    out.push(0);
-    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
-    out.extend_from_slice(message);
-    out.into()
-}
-
 /// Characters gRPC requires to be percent-encoded in `grpc-message`.
 const GRPC_MESSAGE: &AsciiSet = &CONTROLS.add(b'%').add(b'"').add(b'\'');
 
@@ -108,6 +99,15 @@ pub fn error_response(code: tonic::Code, message: &str) -> Response<Empty<Bytes>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Frames one message (uncompressed), as a gRPC sender would.
+    fn frame(message: &[u8]) -> Bytes {
+        let mut out = Vec::with_capacity(PREFIX_LEN + message.len());
+        out.push(0);
+        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        out.extend_from_slice(message);
+        out.into()
+    }
 
     #[test]
     fn roundtrip() {

@@ -654,7 +654,11 @@ impl Pump {
                 self.done = true;
                 return Ok(true);
             }
-            self.settle(st)?; // before `buf` moves
+            // Deferred frames are in `segs`, and settled once those are written.
+            debug_assert!(
+                self.deferred.is_empty(),
+                "deferred frames outlive their write"
+            );
             self.make_room();
             match src.poll_read(cx, &mut self.buf[self.end..]) {
                 Poll::Pending => return Ok(false),
@@ -958,15 +962,21 @@ impl State {
     /// their request was written (see [`Pump::settle`] for why). Runs before
     /// any later client frame is looked at and before any reply is.
     fn open_calls(&mut self) {
-        for (stream, method) in self.opening.drain(..) {
-            let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), method));
-            let call = Call {
-                guard,
-                held: None,
-                refused: false,
-            };
-            self.calls.insert(stream, call);
+        // Popped, not taken: the vector keeps its room for the next call.
+        while let Some((stream, method)) = self.opening.pop() {
+            self.open(stream, method, None);
         }
+    }
+
+    /// Starts tracking call `stream`: its metrics, and its hook if held.
+    fn open(&mut self, stream: u32, method: Arc<str>, held: Option<Box<Held>>) {
+        let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), method));
+        let call = Call {
+            guard,
+            held,
+            refused: false,
+        };
+        self.calls.insert(stream, call);
     }
 
     /// Whether containerd's block for `stream` goes out as it came.
@@ -1090,7 +1100,7 @@ impl State {
             self.opening.push((stream, info.method));
             return Ok(());
         };
-        let held = Some(Box::new(Held {
+        let held = Box::new(Held {
             before: if hook.wants_before() {
                 Before::Collecting
             } else {
@@ -1099,16 +1109,8 @@ impl State {
             hook: Some(hook),
             method: info.method.to_string(),
             ..Held::default()
-        }));
-        let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), info.method));
-        self.calls.insert(
-            stream,
-            Call {
-                guard,
-                held,
-                refused: false,
-            },
-        );
+        });
+        self.open(stream, info.method, Some(held));
         if end_stream {
             self.request_end(stream, up, down);
         }
@@ -1733,20 +1735,20 @@ mod tests {
         // entries, the held stream 3 only refers to them, stream 5 refers to
         // them and inserts one more.
         let mut enc = loona_hpack::Encoder::new();
+        let mut blocks = Vec::new(); // per reply, in order
         let mut reply = |stream: u32, extra: &[(&'static [u8], &'static [u8])]| {
             let mut head: Vec<(&[u8], &[u8])> =
                 vec![(b":status", b"200"), (b"content-type", b"application/grpc")];
             head.extend_from_slice(extra);
-            let mut r = frame(
-                frames::HEADERS,
-                frames::END_HEADERS,
-                stream,
-                &enc.encode(head),
+            let (h, t) = (
+                enc.encode(head),
+                enc.encode([(&b"grpc-status"[..], &b"0"[..])]),
             );
+            let mut r = frame(frames::HEADERS, frames::END_HEADERS, stream, &h);
             r.extend(frame(frames::DATA, 0, stream, &MSG));
-            let t = enc.encode([(&b"grpc-status"[..], &b"0"[..])]);
             let end = frames::END_HEADERS | frames::END_STREAM;
             r.extend(frame(frames::HEADERS, end, stream, &t));
+            blocks.push([h, t]);
             r
         };
         let (r1, r3, r5) = (reply(1, &[]), reply(3, &[]), reply(5, &[(b"x-new", b"v")]));
@@ -1762,21 +1764,11 @@ mod tests {
         assert_eq!(got[..r1.len()], r1[..]);
         assert_eq!(got[r1.len()..], r5[..]);
 
-        // The held one, released later, decodes with the client's one table.
+        // The held one, released later, decodes with the client's one table
+        // (which has seen the blocks of replies 1 and 5).
         let mut dec = loona_hpack::Decoder::new();
-        for (h, p) in [&r1, &r5].iter().flat_map(|r| {
-            let mut v = Vec::new();
-            let mut at = 0;
-            while at < r.len() {
-                let h = Head::parse(&r[at..]);
-                v.push((h.kind, r[at + HEADER_LEN..at + HEADER_LEN + h.len].to_vec()));
-                at += HEADER_LEN + h.len;
-            }
-            v
-        }) {
-            if h == frames::HEADERS {
-                dec.decode(&p).unwrap();
-            }
+        for b in [&blocks[0], &blocks[2]].into_iter().flatten() {
+            dec.decode(b).unwrap();
         }
         gate.notify_one();
         let mut kinds = Vec::new();
