@@ -170,26 +170,20 @@ async fn unary(
     }
     let n = clients.len();
     let mut samples = vec![Vec::with_capacity(calls); n];
-    let mut done = vec![0; n];
     let total = warmup + calls;
-    for i in 0.. {
-        let s = (i / block) % n;
-        if done.iter().all(|&d| d >= total) {
-            break;
+    for first in (0..total).step_by(block) {
+        for s in 0..n {
+            for k in first..total.min(first + block) {
+                let t = Instant::now();
+                clients[s]
+                    .version(())
+                    .await
+                    .with_context(|| format!("Version via {}", sockets[s].display()))?;
+                if k >= warmup {
+                    samples[s].push(micros(t.elapsed()));
+                }
+            }
         }
-        if done[s] >= total {
-            continue;
-        }
-        let t = Instant::now();
-        clients[s]
-            .version(())
-            .await
-            .with_context(|| format!("Version via {}", sockets[s].display()))?;
-        let d = t.elapsed();
-        if done[s] >= warmup {
-            samples[s].push(micros(d));
-        }
-        done[s] += 1;
     }
     for (s, mut v) in samples.into_iter().enumerate() {
         v.sort_by(f64::total_cmp);
