@@ -82,7 +82,6 @@ pub async fn serve(
     interceptor: Arc<dyn Interceptor>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ProxyError> {
-    let upstream_path = Arc::new(config.upstream.clone());
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
@@ -129,7 +128,7 @@ pub async fn serve(
             }
         };
         let builder = builder.clone();
-        let (ctx, drain, up_path) = (splice_ctx.clone(), drain.clone(), upstream_path.clone());
+        let (ctx, drain) = (splice_ctx.clone(), drain.clone());
         shards.spawn(tracker.track_future(async move {
             let stream = match UnixStream::from_std(stream) {
                 Ok(s) => s,
@@ -139,9 +138,9 @@ pub async fn serve(
                 }
             };
             // containerd answers: splice the two connections frame by frame.
-            let error = match UnixStream::connect(&*up_path).await {
+            let error = match UnixStream::connect(&ctx.upstream).await {
                 Ok(up) => {
-                    match splice::run(stream, up, ctx, drain).await {
+                    match splice::run(stream, up, ctx.clone(), drain).await {
                         Err(e) if e.is_hangup() => {
                             tracing::debug!(peer = %peer, error = %e, "connection ended")
                         }
@@ -152,7 +151,7 @@ pub async fn serve(
                 }
                 Err(e) => e,
             };
-            unavailable(stream, &builder, &ctx, &up_path, &error, &drain, &peer).await;
+            unavailable(stream, &builder, &ctx, &error, &drain, &peer).await;
         }));
     }
     drop(listener);
@@ -176,11 +175,11 @@ async fn unavailable(
     stream: UnixStream,
     builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
     ctx: &splice::Ctx,
-    upstream: &Path,
     error: &std::io::Error,
     drain: &CancellationToken,
     peer: &str,
 ) {
+    let upstream = &ctx.upstream;
     tracing::warn!(upstream = %upstream.display(), error = %error, "containerd unavailable; answering UNAVAILABLE until it is back");
     let message = format!(
         "imgbridge: containerd at {} is unavailable: {error}",
