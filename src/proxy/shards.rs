@@ -32,7 +32,12 @@ impl Shards {
             next: 0,
         };
         for i in 0..n.max(1) {
-            let rt = Builder::new_current_thread().enable_all().build()?;
+            // I/O and timers only: with signals enabled, every park would
+            // also look for child processes to reap (seen in profiles).
+            let rt = Builder::new_current_thread()
+                .enable_io()
+                .enable_time()
+                .build()?;
             let (stop, stopped) = oneshot::channel::<()>();
             s.handles.push(rt.handle().clone());
             s.stops.push(stop);

@@ -23,12 +23,14 @@ use std::future::Future;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{ready, Context, Poll, Wake, Waker};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, Stream};
+use futures_util::task::AtomicWaker;
 use tokio::net::UnixStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
@@ -123,7 +125,7 @@ pub async fn run(
         up: Pump::new(Side::Client),
         down: Pump::new(Side::Containerd),
         st: State::new(ctx),
-        drain: Some(Box::pin(drain.cancelled_owned())),
+        drain: Some(Drain::new(drain)),
         grace: None,
         linger: None,
     };
@@ -138,7 +140,7 @@ struct Splice {
     /// containerd to client.
     down: Pump,
     st: State,
-    drain: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    drain: Option<Drain>,
     /// Runs once containerd is lost: how long the client gets to hang up.
     grace: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Set once a drain has answered every call and our side is closed.
@@ -187,6 +189,60 @@ impl Linger {
             self.check.as_mut().reset(now + LINGER_CHECK);
         }
         Poll::Pending
+    }
+}
+
+/// The drain signal, checked with one atomic load per wake-up. Polling the
+/// token itself takes a lock, and the splice wakes for every frame.
+struct Drain {
+    wait: Pin<Box<WaitForCancellationFutureOwned>>,
+    flag: Arc<DrainFlag>,
+    /// The waker `flag` passes wake-ups on to; replaced if the task's changes.
+    task: Option<Waker>,
+}
+
+#[derive(Default)]
+struct DrainFlag {
+    raised: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for DrainFlag {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.raised.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl Drain {
+    fn new(token: CancellationToken) -> Drain {
+        let flag = Arc::new(DrainFlag::default());
+        // Polled once up front (and again whenever the token wakes it).
+        flag.raised.store(true, Ordering::Relaxed);
+        Drain {
+            wait: Box::pin(token.cancelled_owned()),
+            flag,
+            task: None,
+        }
+    }
+
+    /// Whether the drain has started.
+    fn fired(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.task.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            self.flag.task.register(cx.waker());
+            self.task = Some(cx.waker().clone());
+        }
+        if !self.flag.raised.swap(false, Ordering::Acquire) {
+            return false;
+        }
+        let waker = Waker::from(self.flag.clone());
+        self.wait
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_ready()
     }
 }
 
@@ -239,7 +295,7 @@ impl Splice {
 
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
         if let Some(d) = self.drain.as_mut() {
-            if d.as_mut().poll(cx).is_ready() {
+            if d.fired(cx) {
                 self.drain = None;
                 // Calls up to here finish; later ones are refused (see `open`).
                 self.st.goaway = Some(self.st.last_stream);
@@ -256,7 +312,10 @@ impl Splice {
                 }
                 return Poll::Pending;
             }
-            while let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) {
+            while !self.st.hooks.is_empty() {
+                let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) else {
+                    break;
+                };
                 self.st
                     .outcome(outcome, &mut self.up.inject, &mut self.down.inject);
             }
@@ -531,7 +590,7 @@ impl Pump {
 
     fn flush(&mut self, cx: &mut Context<'_>, dst: &mut Sock) -> Poll<io::Result<()>> {
         while !self.segs.is_empty() {
-            let mut iov = [IoSlice::new(&[]); 64];
+            let mut iov = [IoSlice::new(&[]); 16];
             let mut k = 0;
             for s in self.segs.iter().take(iov.len()) {
                 iov[k] = IoSlice::new(match s {
@@ -702,6 +761,10 @@ struct State {
     /// repeat them, and sharing saves an allocation per call.
     seen_path: Option<Arc<str>>,
     seen_namespace: Option<Arc<str>>,
+    /// The last request block and what it said (method, namespace).
+    request_seen: Repeat<(Arc<str>, Option<Arc<str>>)>,
+    /// The last passed reply block and its `grpc-status`.
+    reply_seen: Repeat<Option<i32>>,
     /// Where containerd's header blocks are re-encoded: each frame is split
     /// off, and the space is reused once the frames are written.
     out: BytesMut,
@@ -718,6 +781,50 @@ fn intern(seen: &mut Option<Arc<str>>, v: &[u8]) -> Arc<str> {
     match seen {
         Some(s) if s.as_bytes() == v => s.clone(),
         _ => seen.insert(String::from_utf8_lossy(v).into()).clone(),
+    }
+}
+
+/// A header block that decoded without changing its decoder's table, and
+/// what it said. Calls on a connection repeat their blocks byte for byte
+/// (every field indexed), and the same bytes against the same table decode
+/// to the same fields: comparing them is cheaper than decoding again.
+struct Repeat<T> {
+    block: Vec<u8>,
+    /// The decoder's change count when it was seen; any change since
+    /// invalidates it.
+    changes: u64,
+    value: Option<T>,
+}
+
+impl<T> Default for Repeat<T> {
+    fn default() -> Self {
+        Repeat {
+            block: Vec::new(),
+            changes: 0,
+            value: None,
+        }
+    }
+}
+
+/// Longer blocks are decoded every time: they are rare and compare slowly.
+const REPEAT_MAX: usize = 256;
+
+impl<T> Repeat<T> {
+    fn get(&self, dec: &Decoder, block: &[u8]) -> Option<&T> {
+        let v = self.value.as_ref()?;
+        (self.changes == dec.changes() && self.block == block).then_some(v)
+    }
+
+    /// Remembers `block` if decoding it (from change count `before`) left
+    /// the table as it was.
+    fn put(&mut self, dec: &Decoder, before: u64, block: &[u8], value: T) {
+        if dec.changes() != before || block.len() > REPEAT_MAX {
+            return;
+        }
+        self.block.clear();
+        self.block.extend_from_slice(block);
+        self.changes = before;
+        self.value = Some(value);
     }
 }
 
@@ -833,6 +940,8 @@ impl State {
             mirror: true,
             seen_path: None,
             seen_namespace: None,
+            request_seen: Repeat::default(),
+            reply_seen: Repeat::default(),
             out: BytesMut::with_capacity(OUT_ARENA),
             ended: Vec::new(),
             opening: Vec::new(),
@@ -1018,14 +1127,23 @@ impl State {
         end_stream: bool,
         block: &[u8],
     ) -> Result<(), SpliceError> {
-        let mut status = None;
-        (self.server_dec)
-            .decode(block, |n, v| {
-                if n == b"grpc-status" {
-                    status = grpc::parse_status(v);
-                }
-            })
-            .map_err(|e| hpack_error(Side::Containerd, e))?;
+        let status = match self.reply_seen.get(&self.server_dec, block) {
+            Some(status) => *status,
+            None => {
+                let mut status = None;
+                let changes = self.server_dec.changes();
+                (self.server_dec)
+                    .decode(block, |n, v| {
+                        if n == b"grpc-status" {
+                            status = grpc::parse_status(v);
+                        }
+                    })
+                    .map_err(|e| hpack_error(Side::Containerd, e))?;
+                self.reply_seen
+                    .put(&self.server_dec, changes, block, status);
+                status
+            }
+        };
         self.record_status(stream, end_stream, status);
         Ok(())
     }
@@ -1049,18 +1167,30 @@ impl State {
         up: &mut VecDeque<Bytes>,
         down: &mut VecDeque<Bytes>,
     ) -> Result<(), SpliceError> {
-        let mut path = None;
-        let mut namespace = None;
-        let (seen_path, seen_ns) = (&mut self.seen_path, &mut self.seen_namespace);
-        (self.client_dec)
-            .decode(block, |n, v| match n {
-                b":path" => path = Some(intern(seen_path, v)),
-                b"containerd-namespace" if namespace.is_none() => {
-                    namespace = Some(intern(seen_ns, v))
+        let (path, namespace) = match self.request_seen.get(&self.client_dec, block) {
+            Some((p, ns)) => (Some(p.clone()), ns.clone()),
+            None => {
+                let mut path = None;
+                let mut namespace = None;
+                let (seen_path, seen_ns) = (&mut self.seen_path, &mut self.seen_namespace);
+                let changes = self.client_dec.changes();
+                (self.client_dec)
+                    .decode(block, |n, v| match n {
+                        b":path" => path = Some(intern(seen_path, v)),
+                        b"containerd-namespace" if namespace.is_none() => {
+                            namespace = Some(intern(seen_ns, v))
+                        }
+                        _ => {}
+                    })
+                    .map_err(|e| hpack_error(Side::Client, e))?;
+                if let Some(p) = &path {
+                    let value = (p.clone(), namespace.clone());
+                    self.request_seen
+                        .put(&self.client_dec, changes, block, value);
                 }
-                _ => {}
-            })
-            .map_err(|e| hpack_error(Side::Client, e))?;
+                (path, namespace)
+            }
+        };
         if self.calls.contains_key(&stream) {
             // Request trailers.
             if end_stream {
@@ -1830,6 +1960,46 @@ mod tests {
             .expect("splice ends once the client hangs up")
             .unwrap()
             .unwrap();
+    }
+
+    /// Requests repeat their header block byte for byte, and the decoded
+    /// method is reused, but only while the table those bytes index into
+    /// has not changed: the same bytes then name another method.
+    #[test]
+    fn a_repeated_request_block_is_decoded_again_once_the_table_changed() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let mut st = State::new(Arc::new(Ctx {
+            interceptor: Arc::new(rules),
+            observer: None,
+            upstream: "/run/test.sock".into(),
+        }));
+        // `:path` (static 4) as a literal added to the table (index 62).
+        let insert = |path: &str| [&[0x44, path.len() as u8], path.as_bytes()].concat();
+        // `:method: POST` (static 3), then dynamic index 62.
+        let indexed = [0x83, 0xbe];
+        let blocks = [
+            (1, insert("/t.S/Plain")),
+            (3, indexed.to_vec()),
+            (5, indexed.to_vec()),
+            (7, insert("/t.S/Held")),
+            (9, indexed.to_vec()),
+        ];
+        let (mut up, mut down) = (VecDeque::new(), VecDeque::new());
+        for (stream, b) in &blocks {
+            st.request_headers(*stream, false, b, &mut up, &mut down)
+                .unwrap();
+            if *stream == 5 {
+                let seen = st.request_seen.get(&st.client_dec, &indexed);
+                assert_eq!(seen.map(|(p, _)| &**p), Some("/t.S/Plain"), "reused");
+            }
+        }
+        let held: Vec<u32> = (1..=9)
+            .filter(|s| st.calls.get(s).is_some_and(|c| c.held.is_some()))
+            .collect();
+        assert_eq!(held, [7, 9]);
+        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| *s).collect();
+        plain.sort();
+        assert_eq!(plain, [1, 3, 5]);
     }
 
     /// A splice with stream 1 (a plain call) sent to containerd, unanswered.
