@@ -32,8 +32,7 @@ impl Shards {
             next: 0,
         };
         for i in 0..n.max(1) {
-            // I/O and timers only: with signals enabled, every park would
-            // also look for child processes to reap (seen in profiles).
+            // Connections need sockets and timers, nothing more.
             let rt = Builder::new_current_thread()
                 .enable_io()
                 .enable_time()
