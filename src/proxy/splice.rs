@@ -197,7 +197,8 @@ impl Linger {
 struct Drain {
     wait: Pin<Box<WaitForCancellationFutureOwned>>,
     flag: Arc<DrainFlag>,
-    /// The waker `flag` passes wake-ups on to; replaced if the task's changes.
+    /// The task waker `flag` passes wake-ups on to; replaced if the task's
+    /// waker changes.
     task: Option<Waker>,
 }
 
@@ -688,7 +689,20 @@ impl Pump {
             }
             if !self.segs.is_empty() {
                 match self.flush(cx, dst) {
-                    Poll::Pending => return Ok(false),
+                    Poll::Pending => {
+                        // The reader is slow: go on reading into the room
+                        // behind the queued bytes (they stay where they
+                        // are), as a byte relay does, so that the sender
+                        // is not held up by a full socket while this buffer
+                        // still has space.
+                        if self.eof || self.end == self.buf.len() {
+                            return Ok(false);
+                        }
+                        match self.fill(cx, src, st)? {
+                            Poll::Pending => return Ok(false),
+                            Poll::Ready(()) => continue,
+                        }
+                    }
                     Poll::Ready(Err(e)) => return Err(SpliceError::Write(self.to(), e)),
                     Poll::Ready(Ok(())) => {
                         self.settle(st)?;
@@ -719,16 +733,29 @@ impl Pump {
                 "deferred frames outlive their write"
             );
             self.make_room();
-            match src.poll_read(cx, &mut self.buf[self.end..]) {
-                Poll::Pending => return Ok(false),
-                Poll::Ready(Err(e)) => return Err(SpliceError::Read(self.from, e)),
-                Poll::Ready(Ok(0)) => {
-                    self.eof = true;
-                    st.client_gone |= self.from == Side::Client;
-                }
-                Poll::Ready(Ok(n)) => self.end += n,
+            if self.fill(cx, src, st)?.is_pending() {
+                return Ok(false);
             }
         }
+    }
+
+    /// Reads what `src` has into `buf[end..]`; ready with data or its end.
+    fn fill(
+        &mut self,
+        cx: &mut Context<'_>,
+        src: &Sock,
+        st: &mut State,
+    ) -> Result<Poll<()>, SpliceError> {
+        match src.poll_read(cx, &mut self.buf[self.end..]) {
+            Poll::Pending => return Ok(Poll::Pending),
+            Poll::Ready(Err(e)) => return Err(SpliceError::Read(self.from, e)),
+            Poll::Ready(Ok(0)) => {
+                self.eof = true;
+                st.client_gone |= self.from == Side::Client;
+            }
+            Poll::Ready(Ok(n)) => self.end += n,
+        }
+        Ok(Poll::Ready(()))
     }
 }
 
