@@ -59,12 +59,8 @@ pub async fn serve(
             c,
             config.import.clone(),
             stop.clone(),
-            stats.clone(),
-        )));
-        tasks.push(tokio::spawn(import_metrics(
             stats,
-            ops.metrics.clone(),
-            stop.clone(),
+            Some(ops.metrics.clone()),
         )));
     }
     let mut pc = ProxyConfig::new(&config.upstream);
@@ -90,47 +86,6 @@ pub async fn serve(
         let _ = t.await;
     }
     Ok(result?)
-}
-
-/// Mirrors the importer's counters into Prometheus once a second, so the
-/// importer stays free of metrics plumbing.
-async fn import_metrics(
-    stats: Arc<crate::import::Stats>,
-    m: Arc<ops::metrics::Metrics>,
-    stop: CancellationToken,
-) {
-    use crate::import::Stats;
-    use ops::metrics::Outcome;
-    let mut seen = [0u64; 5];
-    loop {
-        let now = [
-            Stats::get(&stats.imported) + Stats::get(&stats.pulled),
-            Stats::get(&stats.failures) + Stats::get(&stats.pull_failures),
-            Stats::get(&stats.skipped),
-            Stats::get(&stats.pinned),
-            Stats::get(&stats.unpinned),
-        ];
-        for _ in seen[0]..now[0] {
-            m.imported_file(Outcome::Ok);
-        }
-        for _ in seen[1]..now[1] {
-            m.imported_file(Outcome::Failed);
-        }
-        for _ in seen[2]..now[2] {
-            m.imported_file(Outcome::Skipped);
-        }
-        for _ in seen[3]..now[3] {
-            m.pinned();
-        }
-        for _ in seen[4]..now[4] {
-            m.unpinned();
-        }
-        seen = now;
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-        }
-    }
 }
 
 /// containerd's ttrpc socket sits next to the gRPC one.

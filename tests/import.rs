@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use imgbridge::config::{Import, ImportDir};
 use imgbridge::containerd::Containerd;
 use imgbridge::import::{self, Stats};
+use imgbridge::ops::metrics::Metrics;
 
 // ============================================================================
 // Private test harness. Kept in this section so it can be swapped for the
@@ -235,6 +236,8 @@ async fn wait_unpinned(c: &Containerd, name: &str) {
 /// A running library importer with its counters.
 struct Running {
     stats: Arc<Stats>,
+    /// What `serve` reports to Prometheus and `/status`.
+    metrics: Arc<Metrics>,
     stop: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
@@ -268,13 +271,20 @@ impl Running {
         }
         let stats = Arc::new(Stats::default());
         let stop = tokio_util::sync::CancellationToken::new();
+        let metrics = Arc::new(Metrics::new());
         let task = tokio::spawn(import::run_with_stats(
             c.clone(),
             cfg,
             stop.clone(),
             stats.clone(),
+            Some(metrics.clone()),
         ));
-        Running { stats, stop, task }
+        Running {
+            stats,
+            metrics,
+            stop,
+            task,
+        }
     }
 
     fn get(&self, f: impl Fn(&Stats) -> &std::sync::atomic::AtomicU64) -> u64 {
@@ -654,8 +664,16 @@ async fn pull_list_retry_and_line_removal() {
     })
     .await;
     assert!(r.get(|s| &s.failures) >= 1, "the invalid line is counted");
+    // /status shows the file's latest error: the failed pull, naming it.
+    let list = dir.join("list.txt").display().to_string();
+    let last = r.metrics.file_errors()[&list].clone();
+    assert_eq!(last.context, later, "{last:?}");
     push("d", later.split_once('/').unwrap().1);
     wait_usable_pinned(&c, &later).await;
+    poll("the pulled reference's error cleared", 30, || async {
+        !r.metrics.file_errors().contains_key(&list)
+    })
+    .await;
     // The first image leaves the list: unpinned, still present.
     std::fs::write(dir.join("list.txt"), format!("{later}\n")).unwrap();
     wait_unpinned(&c, &first).await;
@@ -811,6 +829,7 @@ async fn bad_inputs_do_not_block_good_files() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(700)).await;
+    let metrics = r.metrics.clone();
     let s = r.stop().await;
     assert_eq!(
         s.failures.load(Ordering::SeqCst),
@@ -852,5 +871,20 @@ async fn bad_inputs_do_not_block_good_files() {
         ("huge-manifest.tar", "limit for metadata"),
     ] {
         assert!(err(file).contains(reason), "{file}: {}", err(file));
+        // /status and Prometheus say the same as the state file.
+        let last = &metrics.file_errors()[dir.join(file).to_str().unwrap()];
+        assert!(last.error.contains(reason), "{file}: {last:?}");
+    }
+    let bad = &metrics.file_errors()[dir.join("bad.txt").to_str().unwrap()];
+    assert_eq!(bad.context, "line 1", "{bad:?}");
+    assert!(!metrics
+        .file_errors()
+        .contains_key(dir.join("good.tar").to_str().unwrap()));
+    let text = metrics.encode();
+    for line in [
+        "imgbridge_imported_files_total{outcome=\"failed\"} 9",
+        "imgbridge_imported_files_total{outcome=\"ok\"} 2",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
 }

@@ -98,10 +98,48 @@ impl Stats {
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::SeqCst)
     }
+
+    fn counter(&self, what: Count) -> &AtomicU64 {
+        match what {
+            Count::Imported => &self.imported,
+            Count::Failed => &self.failures,
+            Count::Skipped => &self.skipped,
+            Count::Images => &self.images,
+            Count::Pulled => &self.pulled,
+            Count::PullFailed => &self.pull_failures,
+            Count::Pinned => &self.pinned,
+            Count::Unpinned => &self.unpinned,
+            Count::Scans => &self.scans,
+        }
+    }
 }
 
-fn inc(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::SeqCst);
+/// What [`Stats`] counts, as reported to an [`ImportObserver`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    Imported,
+    Failed,
+    Skipped,
+    Images,
+    Pulled,
+    PullFailed,
+    Pinned,
+    Unpinned,
+    Scans,
+}
+
+/// Receives what the importer does as it happens: `ops::Metrics` counts it
+/// and shows each file's last error in `/status`. The importer itself knows
+/// nothing of metrics.
+pub trait ImportObserver: Send + Sync + 'static {
+    /// `n` more of `what` (the same numbers [`Stats`] keeps).
+    fn counted(&self, what: Count, n: u64);
+    /// The latest attempt on `path` failed; `context` names the part (a
+    /// pull-list line or reference), empty for the file as a whole.
+    fn file_failed(&self, path: &Path, context: &str, error: &dyn std::fmt::Display);
+    /// The part `context` of `path` went fine (empty: the whole file, or
+    /// the file is gone): an error about it no longer applies.
+    fn file_ok(&self, path: &Path, context: &str);
 }
 
 /// One file's result in a [`Report`].
@@ -251,17 +289,19 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
 }
 
 /// Runs the directory importer until `shutdown` (the `serve` command),
-/// reporting into `stats`.
+/// counting into `stats` and reporting to `observer`.
 pub async fn run_with_stats(
     containerd: Containerd,
     cfg: Import,
     shutdown: CancellationToken,
     stats: Arc<Stats>,
+    observer: Option<Arc<dyn ImportObserver>>,
 ) {
     if cfg.dirs.is_empty() {
         return;
     }
     let mut imp = Importer::new(containerd, cfg, stats);
+    imp.observer = observer;
     imp.run(shutdown).await;
 }
 
@@ -286,6 +326,7 @@ pub struct Importer {
     c: Containerd,
     cfg: Import,
     stats: Arc<Stats>,
+    observer: Option<Arc<dyn ImportObserver>>,
     state: State,
     state_dirty: bool,
     pending: HashMap<PathBuf, Pending>,
@@ -304,6 +345,7 @@ impl Importer {
             c,
             cfg,
             stats,
+            observer: None,
             state,
             state_dirty: false,
             pending: HashMap::new(),
@@ -312,6 +354,25 @@ impl Importer {
             pull_tx,
             pull_rx,
             warned_list_ns: HashSet::new(),
+        }
+    }
+
+    fn count(&self, what: Count, n: u64) {
+        self.stats.counter(what).fetch_add(n, Ordering::SeqCst);
+        if let Some(o) = &self.observer {
+            o.counted(what, n);
+        }
+    }
+
+    fn file_failed(&self, path: &Path, context: &str, error: &dyn std::fmt::Display) {
+        if let Some(o) = &self.observer {
+            o.file_failed(path, context, error);
+        }
+    }
+
+    fn file_ok(&self, path: &Path, context: &str) {
+        if let Some(o) = &self.observer {
+            o.file_ok(path, context);
         }
     }
 
@@ -413,7 +474,7 @@ impl Importer {
                 }
             }
             if f.kind == FileKind::Archive && missing.is_empty() {
-                inc(&self.stats.skipped, 1);
+                self.count(Count::Skipped, 1);
             }
             if f.kind == FileKind::List || !missing.is_empty() {
                 if !missing.is_empty() {
@@ -497,7 +558,7 @@ impl Importer {
             let dir = self.dir(i).path.clone();
             self.rescan(i, &dir);
         }
-        inc(&self.stats.scans, 1);
+        self.count(Count::Scans, 1);
     }
 
     /// Stat-only walk of `dir`: new or changed files and vanished entries
@@ -617,7 +678,7 @@ impl Importer {
         if !p.force {
             if let Some(prev) = &prev {
                 if prev.stamp() == stamp {
-                    inc(&self.stats.skipped, 1);
+                    self.count(Count::Skipped, 1);
                     return;
                 }
                 if prev.size == stamp.size
@@ -629,7 +690,7 @@ impl Importer {
                         f.mtime_ns = stamp.mtime_ns;
                     }
                     self.state_dirty = true;
-                    inc(&self.stats.skipped, 1);
+                    self.count(Count::Skipped, 1);
                     return;
                 }
             }
@@ -655,11 +716,19 @@ impl Importer {
                 for f in &o.failures {
                     tracing::error!(file = %path.display(), "{f}");
                 }
-                inc(&self.stats.images, o.images.len() as u64);
-                inc(&self.stats.pinned, o.pinned);
-                inc(&self.stats.failures, o.failures.len() as u64);
+                self.count(Count::Images, o.images.len() as u64);
+                self.count(Count::Pinned, o.pinned);
+                self.count(Count::Failed, o.failures.len() as u64);
+                match o.failures.as_slice() {
+                    [] => self.file_ok(&path, ""),
+                    [one] => self.file_failed(&path, "", one),
+                    [first, rest @ ..] => {
+                        let more = format!("{first} (and {} more)", rest.len());
+                        self.file_failed(&path, "", &more)
+                    }
+                }
                 // Last: a reader that sees the file counted sees its images.
-                inc(&self.stats.imported, 1);
+                self.count(Count::Imported, 1);
                 let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
                 tracing::info!(
                     file = %path.display(),
@@ -704,7 +773,8 @@ impl Importer {
                     .saturating_mul(1 << p.attempt.min(6))
                     .min(RETRY_MAX);
                 tracing::warn!(file = %path.display(), error = %e, retry_in = ?delay, "import failed; will retry");
-                inc(&self.stats.failures, 1);
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &format_args!("{e} (retrying in {delay:?})"));
                 self.pending.insert(
                     path,
                     Pending {
@@ -717,7 +787,8 @@ impl Importer {
             }
             Err(e) => {
                 tracing::error!(file = %path.display(), error = %e, secs, "import failed; the file is skipped until it changes");
-                inc(&self.stats.failures, 1);
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &e);
                 // Images an earlier version provided stay pinned until the
                 // file is fixed or removed.
                 let images = prev.map(|p| p.images).unwrap_or_default();
@@ -761,7 +832,7 @@ impl Importer {
         }
         let prev = self.state.files.get(&path).cloned();
         if !p.force && prev.as_ref().is_some_and(|f| f.stamp() == stamp) {
-            inc(&self.stats.skipped, 1);
+            self.count(Count::Skipped, 1);
             return;
         }
         let hash = pin::path_hash(&path);
@@ -769,14 +840,24 @@ impl Importer {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(file = %path.display(), error = %e, "cannot read pull list");
-                inc(&self.stats.failures, 1);
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &e);
                 return;
             }
         };
         for (line, text, e) in &list.invalid {
             tracing::warn!(file = %path.display(), line, entry = %text, "invalid reference in pull list: {e}");
         }
-        inc(&self.stats.failures, list.invalid.len() as u64);
+        self.count(Count::Failed, list.invalid.len() as u64);
+        match list.invalid.first() {
+            Some((line, text, e)) => self.file_failed(
+                &path,
+                &format!("line {line}"),
+                &format_args!("invalid reference {text:?}: {e}"),
+            ),
+            // A new version of the list: its pulls start over.
+            None => self.file_ok(&path, ""),
+        }
         let wanted: HashSet<&String> = list.refs.iter().collect();
         let mut images = prev.as_ref().map(|f| f.images.clone()).unwrap_or_default();
         if let Some(prev) = &prev {
@@ -851,7 +932,7 @@ impl Importer {
                 if self.cfg.pin {
                     match pin::pin(&self.c, pull::CRI_NAMESPACE, &reference, &hash).await {
                         Ok(Some((img, pinned))) => {
-                            inc(&self.stats.pinned, u64::from(pinned));
+                            self.count(Count::Pinned, u64::from(pinned));
                             target = img.target.map(|t| t.digest).unwrap_or(target);
                         }
                         Ok(None) => {
@@ -863,7 +944,8 @@ impl Importer {
                     }
                 }
                 tracing::info!(file = %path.display(), image = %reference, how = ?got, "pull list image ready");
-                inc(&self.stats.pulled, 1);
+                self.count(Count::Pulled, 1);
+                self.file_ok(&path, &reference);
                 if let Some(f) = self.state.files.get_mut(&path) {
                     f.images.insert(reference, target);
                     self.state_dirty = true;
@@ -879,7 +961,10 @@ impl Importer {
                 if self.lists.get(&path).map(|t| t.generation) != Some(generation) {
                     return;
                 }
-                inc(&self.stats.pull_failures, 1);
+                // Reported before it is counted: whoever sees the count
+                // sees the error.
+                self.file_failed(&path, &reference, &error);
+                self.count(Count::PullFailed, 1);
                 tracing::warn!(file = %path.display(), image = %reference, error = %error, retry_in = ?retry_in, "pull failed; will retry");
             }
         }
@@ -916,6 +1001,7 @@ impl Importer {
                 continue;
             }
             tracing::info!(file = %k.display(), "source removed");
+            self.file_ok(&k, "");
         }
     }
 
@@ -928,7 +1014,7 @@ impl Importer {
             match pin::unpin(&self.c, &f.namespace, name, &f.hash, &live).await {
                 Ok(pin::Unpinned::Untouched) => {}
                 Ok(how) => {
-                    inc(&self.stats.unpinned, 1);
+                    self.count(Count::Unpinned, 1);
                     tracing::info!(file = %path.display(), image = %name, result = ?how, "unpinned");
                 }
                 Err(e) => {

@@ -18,8 +18,8 @@
 //! | `cri_wait_duration_seconds` | histogram | | [`Metrics::cri_wait`] |
 //! | `pending_blobs` | gauge | | [`Metrics::set_pending`] |
 //! | `reconcile_passes_total` | counter | `outcome` | [`Metrics::reconcile_pass`] |
-//! | `imported_files_total` | counter | `outcome` | [`Metrics::imported_file`] |
-//! | `pins_total` / `unpins_total` | counter | | [`Metrics::pinned`] / [`Metrics::unpinned`] |
+//! | `imported_files_total` | counter | `outcome` | importer ([`ImportObserver`]) |
+//! | `pins_total` / `unpins_total` | counter | | importer |
 //! | `build_info` | info (=1) | `version`, `commit` | at start |
 
 use std::collections::HashMap;
@@ -37,6 +37,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use serde::Serialize;
 
+use crate::import::{Count, ImportObserver};
 use crate::proxy::observe::CallObserver;
 
 /// Most distinct `(method, grpc_status)` series kept; further new methods are
@@ -312,27 +313,14 @@ impl Metrics {
             .inc();
     }
 
-    // ---- import (src/import) ----------------------------------------------
+    // ---- import (src/import, through ImportObserver below) ----------------
 
-    /// Records one processed file from a watched directory: `Ok` imported (or
-    /// pulled), `Skipped` unchanged or unsupported, `Failed` (then also call
-    /// [`Metrics::file_error`]; on success [`Metrics::clear_file_error`]).
-    pub fn imported_file(&self, outcome: Outcome) {
+    fn imported_files(&self, outcome: Outcome, n: u64) {
         self.imported_files
             .get_or_create(&OutcomeLabels {
                 outcome: outcome.as_str(),
             })
-            .inc();
-    }
-
-    /// Records that imgbridge set `io.cri-containerd.pinned=pinned` on one image.
-    pub fn pinned(&self) {
-        self.pins.inc();
-    }
-
-    /// Records that imgbridge removed its pin from one image.
-    pub fn unpinned(&self) {
-        self.unpins.inc();
+            .inc_by(n);
     }
 
     // ---- last errors (shown in /status) ------------------------------------
@@ -349,22 +337,6 @@ impl Metrics {
         lock(&self.image_errors).remove(image);
     }
 
-    /// Remembers the latest error for a watched file, with `context` such as
-    /// the failing pull-list line. Same bound as [`Metrics::image_error`].
-    pub fn file_error(&self, path: &Path, context: &str, error: &dyn Display) {
-        remember(
-            &self.file_errors,
-            &path.display().to_string(),
-            context,
-            error,
-        );
-    }
-
-    /// Forgets the error of a watched file (imported fine, or deleted).
-    pub fn clear_file_error(&self, path: &Path) {
-        lock(&self.file_errors).remove(&path.display().to_string());
-    }
-
     /// Last errors per image, as `/status` shows them.
     pub fn image_errors(&self) -> HashMap<String, LastError> {
         lock(&self.image_errors).clone()
@@ -373,6 +345,48 @@ impl Metrics {
     /// Last errors per file, as `/status` shows them.
     pub fn file_errors(&self) -> HashMap<String, LastError> {
         lock(&self.file_errors).clone()
+    }
+}
+
+/// The importer's side: files processed from watched directories (archives
+/// imported, pull-list references pulled, each one `ok`; unchanged files
+/// `skipped`; failed files, images and list lines `failed`), pins, and the
+/// last error of each file for `/status`.
+impl ImportObserver for Metrics {
+    fn counted(&self, what: Count, n: u64) {
+        match what {
+            Count::Imported | Count::Pulled => self.imported_files(Outcome::Ok, n),
+            Count::Failed | Count::PullFailed => self.imported_files(Outcome::Failed, n),
+            Count::Skipped => self.imported_files(Outcome::Skipped, n),
+            Count::Pinned => {
+                self.pins.inc_by(n);
+            }
+            Count::Unpinned => {
+                self.unpins.inc_by(n);
+            }
+            Count::Images | Count::Scans => {}
+        }
+    }
+
+    /// Same bound as [`Metrics::image_error`].
+    fn file_failed(&self, path: &Path, context: &str, error: &dyn Display) {
+        remember(
+            &self.file_errors,
+            &path.display().to_string(),
+            context,
+            error,
+        );
+    }
+
+    fn file_ok(&self, path: &Path, context: &str) {
+        let mut errors = lock(&self.file_errors);
+        let key = path.display().to_string();
+        if errors
+            .get(&key)
+            .is_some_and(|e| context.is_empty() || e.context == context)
+        {
+            errors.remove(&key);
+        }
     }
 }
 
@@ -538,9 +552,9 @@ mod tests {
         m.replication("k8s.io", Outcome::Ok, Duration::from_millis(12));
         m.cri_wait(Duration::from_millis(3));
         m.reconcile_pass(Outcome::Ok);
-        m.imported_file(Outcome::Failed);
-        m.pinned();
-        m.unpinned();
+        m.counted(Count::Failed, 1);
+        m.counted(Count::Pinned, 1);
+        m.counted(Count::Unpinned, 1);
         m.set_pending(Pending {
             blobs: 3,
             images: 1,
@@ -630,9 +644,16 @@ mod tests {
         assert_eq!(m.image_errors()["docker.io/library/x:dev"].error, "late");
         m.clear_image_error("docker.io/library/x:dev");
         assert!(!m.image_errors().contains_key("docker.io/library/x:dev"));
-        m.file_error(Path::new("/d/a.tar"), "", &"bad archive");
+        m.file_failed(Path::new("/d/a.tar"), "", &"bad archive");
         assert_eq!(m.file_errors()["/d/a.tar"].error, "bad archive");
-        m.clear_file_error(Path::new("/d/a.tar"));
+        m.file_ok(Path::new("/d/a.tar"), "");
+        assert!(m.file_errors().is_empty());
+        // A pull list's error is about one reference: only that one clears it.
+        let list = Path::new("/d/list.txt");
+        m.file_failed(list, "registry.local/b:1", &"not found");
+        m.file_ok(list, "registry.local/a:1");
+        assert_eq!(m.file_errors()["/d/list.txt"].context, "registry.local/b:1");
+        m.file_ok(list, "registry.local/b:1");
         assert!(m.file_errors().is_empty());
     }
 }
