@@ -306,12 +306,19 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 (tokio::net::UnixListener::from_std(a.grpc)?, ttrpc)
             }
             None => {
-                let l = listener::bind(&c.listen, perms)?;
+                // ttrpc first: once the gRPC socket accepts, both are up
+                // (clients, and the tests, wait for that one).
+                let ttrpc_path = imgbridge::app::ttrpc_path(&c.listen);
                 let ttrpc = if c.ttrpc {
-                    Some(listener::bind(&imgbridge::app::ttrpc_path(&c.listen), perms)?)
+                    Some(listener::bind(&ttrpc_path, perms)?)
                 } else {
                     None
                 };
+                let l = listener::bind(&c.listen, perms).inspect_err(|_| {
+                    if ttrpc.is_some() {
+                        let _ = std::fs::remove_file(&ttrpc_path);
+                    }
+                })?;
                 (l, ttrpc)
             }
         };
