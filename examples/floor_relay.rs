@@ -6,10 +6,15 @@
 //! to imgbridge and reports imgbridge's overhead against this one.
 //!
 //! Usage: `floor_relay <listen.sock> <upstream.sock>`
+//!
+//! `FLOOR_SNDBUF=<bytes>` (not set by bench.sh) gives both sockets that send
+//! buffer, as imgbridge's splice asks for: to see how much of a difference
+//! is the socket setting rather than the relay.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use nix::sys::socket::{setsockopt, sockopt};
 use tokio::net::{UnixListener, UnixStream};
 
 const BUF: usize = 256 << 10;
@@ -22,6 +27,9 @@ async fn main() -> std::io::Result<()> {
         std::process::exit(2);
     };
     let upstream = Arc::new(PathBuf::from(upstream));
+    let sndbuf: Option<usize> = std::env::var("FLOOR_SNDBUF")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let _ = std::fs::remove_file(&listen);
     let listener = UnixListener::bind(&listen)?;
     loop {
@@ -31,6 +39,11 @@ async fn main() -> std::io::Result<()> {
             let Ok(mut up) = UnixStream::connect(&*upstream).await else {
                 return;
             };
+            if let Some(n) = sndbuf {
+                for s in [&down, &up] {
+                    let _ = setsockopt(s, sockopt::SndBuf, &n);
+                }
+            }
             let _ = tokio::io::copy_bidirectional_with_sizes(&mut down, &mut up, BUF, BUF).await;
         });
     }
