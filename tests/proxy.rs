@@ -160,6 +160,78 @@ async fn events_subscription_sees_image_event() {
     assert!(ev.name.starts_with("evt:"), "{ev:?}");
 }
 
+/// No cap on concurrent streams: 300 subscriptions stay open at once on one
+/// client connection (over the 100 or 200 that HTTP/2 stacks default to) and
+/// each sees an event. Every stream is held open until all have one, so a
+/// cap would leave the rest queued and the test would time out.
+#[tokio::test]
+async fn three_hundred_concurrent_streams_on_one_connection() {
+    const STREAMS: usize = 300;
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let channel = containerd_channel(p.socket()).await; // one connection, shared
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let release = tokio_util::sync::CancellationToken::new();
+    let mut tasks = Vec::new();
+    for _ in 0..STREAMS {
+        let (channel, seen, release) = (channel.clone(), seen.clone(), release.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut events = api::events_client::EventsClient::new(channel);
+            let mut stream = events
+                .subscribe(api::SubscribeRequest {
+                    filters: vec![format!("namespace=={NS},topic~=\"^/images/\"")],
+                })
+                .await
+                .expect("subscribe through the proxy")
+                .into_inner();
+            let first = stream.message().await;
+            assert!(matches!(first, Ok(Some(_))), "{first:?}");
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            release.cancelled().await; // keep this stream open
+            drop(stream);
+        }));
+    }
+    let images = images_client(p.socket()).await;
+    let mut n = 0;
+    let all = poll_async(Duration::from_secs(30), || {
+        n += 1;
+        let (mut images, seen) = (images.clone(), seen.clone());
+        async move {
+            images
+                .create(with_ns(
+                    api::CreateImageRequest {
+                        image: Some(api::Image {
+                            name: format!("many:{n}"),
+                            target: Some(containerd_client::types::Descriptor {
+                                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                                digest: format!("sha256:{}", "0".repeat(64)),
+                                size: 1,
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                    NS,
+                ))
+                .await
+                .unwrap();
+            let k = seen.load(std::sync::atomic::Ordering::SeqCst);
+            (k == STREAMS).then_some(k)
+        }
+    })
+    .await;
+    let k = seen.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        all.is_some(),
+        "only {k} of {STREAMS} concurrent subscriptions saw an event within 30 s"
+    );
+    release.cancel();
+    for t in tasks {
+        t.await.expect("subscription task");
+    }
+}
+
 /// Subscribes in the background; the first matching envelope lands in the slot.
 fn subscribe_first(
     sock: &Path,
@@ -338,10 +410,10 @@ async fn large_metadata_and_large_messages_pass() {
     let mut v = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
     let mut req = tonic::Request::new(());
     req.metadata_mut()
-        .insert("x-big", "a".repeat(512 << 10).parse().unwrap());
+        .insert("x-big", "a".repeat(8 << 20).parse().unwrap());
     v.version(req)
         .await
-        .expect("512 KiB of metadata through the proxy");
+        .expect("8 MiB of metadata through the proxy");
 
     // ~6 MiB image record (labels): above tonic's 4 MiB default, below 16 MiB.
     let mut labels = HashMap::new();
