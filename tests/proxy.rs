@@ -131,25 +131,7 @@ async fn events_subscription_sees_image_event() {
         let name = format!("evt:{n}");
         let (mut images, sub) = (images.clone(), sub.clone());
         async move {
-            images
-                .create(with_ns(
-                    api::CreateImageRequest {
-                        image: Some(api::Image {
-                            name,
-                            target: Some(containerd_client::types::Descriptor {
-                                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                                digest: format!("sha256:{}", "0".repeat(64)),
-                                size: 1,
-                                ..Default::default()
-                            }),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                    NS,
-                ))
-                .await
-                .unwrap();
+            images.create(create_request(name, '0')).await.unwrap();
             sub.lock().unwrap().take()
         }
     })
@@ -198,22 +180,7 @@ async fn three_hundred_concurrent_streams_on_one_connection() {
         let (mut images, seen) = (images.clone(), seen.clone());
         async move {
             images
-                .create(with_ns(
-                    api::CreateImageRequest {
-                        image: Some(api::Image {
-                            name: format!("many:{n}"),
-                            target: Some(containerd_client::types::Descriptor {
-                                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                                digest: format!("sha256:{}", "0".repeat(64)),
-                                size: 1,
-                                ..Default::default()
-                            }),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                    NS,
-                ))
+                .create(create_request(format!("many:{n}"), '0'))
                 .await
                 .unwrap();
             let k = seen.load(std::sync::atomic::Ordering::SeqCst);
@@ -230,6 +197,27 @@ async fn three_hundred_concurrent_streams_on_one_connection() {
     for t in tasks {
         t.await.expect("subscription task");
     }
+}
+
+/// An image record `name` in [`NS`] pointing at a placeholder manifest
+/// digest (`digit` × 64): containerd stores records without their content.
+fn create_request(name: impl Into<String>, digit: char) -> tonic::Request<api::CreateImageRequest> {
+    with_ns(
+        api::CreateImageRequest {
+            image: Some(api::Image {
+                name: name.into(),
+                target: Some(containerd_client::types::Descriptor {
+                    media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+                    digest: format!("sha256:{}", digit.to_string().repeat(64)),
+                    size: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        NS,
+    )
 }
 
 /// Subscribes in the background; the first matching envelope lands in the slot.
@@ -771,24 +759,7 @@ async fn interception_hook_runs_and_failing_hook_gives_clean_error() {
         stop.clone().cancelled_owned(),
     ));
     let mut images = images_client(&sock).await;
-    let mk = |name: &str| {
-        with_ns(
-            api::CreateImageRequest {
-                image: Some(api::Image {
-                    name: name.into(),
-                    target: Some(containerd_client::types::Descriptor {
-                        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                        digest: format!("sha256:{}", "3".repeat(64)),
-                        size: 1,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            NS,
-        )
-    };
+    let mk = |name: &str| create_request(name, '3');
     let ok = images
         .create(mk("okimg:1"))
         .await
