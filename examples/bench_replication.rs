@@ -199,12 +199,7 @@ async fn create(a: &Args, c: &Containerd) -> Res<()> {
         create_record(b, SOURCE, &format!("bench-warm-b-{tag}:x"), &target).await?;
     }
     for r in 0..rounds {
-        let mut order = variants.clone();
-        order.rotate_left(r % variants.len());
-        if r % 2 == 1 {
-            order.reverse();
-        }
-        for v in order {
+        for v in round_order(&variants, r) {
             if cold {
                 clean(c, &[TARGET.to_string()], &keep).await?;
             }
@@ -440,12 +435,7 @@ async fn isolated(a: &Args, c: &Containerd) -> Res<()> {
         vec![0, 1, 2]
     };
     for r in 0..rounds {
-        let mut order = variants.clone();
-        order.rotate_left(r % variants.len());
-        if r % 2 == 1 {
-            order.reverse();
-        }
-        for v in order {
+        for v in round_order(&variants, r) {
             clean(c, &[TARGET.to_string()], &keep).await?;
             if v >= 2 {
                 let conn = if v == 2 {
@@ -540,31 +530,21 @@ async fn records(a: &Args, c: &Containerd) -> Res<()> {
         let mbytes = serde_json::to_vec(&m)?;
         let md = format!("sha256:{}", hex::encode(Sha256::digest(&mbytes)));
         let node = tree::parse(&mbytes)?;
-        let none = HashMap::new();
         let lease = c.create_lease(SOURCE, Duration::from_secs(600)).await?;
-        c.write_blob(
-            SOURCE,
-            Some(&lease),
-            BlobRef {
-                digest: &cd,
-                size: cbytes.len() as i64,
-                labels: &none,
-            },
-            stream::iter(vec![Ok(bytes::Bytes::from(cbytes.clone()))]),
-        )
-        .await?;
-        let labels = node.gc_labels();
-        c.write_blob(
-            SOURCE,
-            Some(&lease),
-            BlobRef {
-                digest: &md,
-                size: mbytes.len() as i64,
+        // The config, then the manifest with the GC labels that keep it.
+        let blobs = [
+            (&cd, &cbytes, HashMap::new()),
+            (&md, &mbytes, node.gc_labels()),
+        ];
+        for (digest, raw, labels) in blobs {
+            let blob = BlobRef {
+                digest,
+                size: raw.len() as i64,
                 labels: &labels,
-            },
-            stream::iter(vec![Ok(bytes::Bytes::from(mbytes.clone()))]),
-        )
-        .await?;
+            };
+            let data = stream::iter(vec![Ok(bytes::Bytes::from(raw.clone()))]);
+            c.write_blob(SOURCE, Some(&lease), blob, data).await?;
+        }
         let t = Descriptor {
             media_type: base.media_type.clone(),
             digest: md,
@@ -719,4 +699,15 @@ async fn clean_once(c: &Containerd, namespaces: &[String], keep: &[String]) -> R
     }
     c.delete_image(&last.0, &last.1, true).await?;
     Ok(n)
+}
+
+/// The variants in the order round `r` runs them: rotated each round and
+/// reversed every other one, so no variant always follows the same one.
+fn round_order<T: Clone>(variants: &[T], r: usize) -> Vec<T> {
+    let mut order = variants.to_vec();
+    order.rotate_left(r % variants.len());
+    if r % 2 == 1 {
+        order.reverse();
+    }
+    order
 }

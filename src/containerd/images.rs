@@ -48,9 +48,7 @@ impl Containerd {
             ))
             .await
             .map_err(Error::status(op.clone()))?;
-        r.into_inner()
-            .image
-            .ok_or_else(|| Error::Protocol(format!("{op}: reply without image")))
+        replied_image(r.into_inner().image, &op)
     }
 
     /// Update; an empty `mask` replaces the whole record (labels and target).
@@ -70,9 +68,7 @@ impl Containerd {
             ))
             .await
             .map_err(Error::status(op.clone()))?;
-        r.into_inner()
-            .image
-            .ok_or_else(|| Error::Protocol(format!("{op}: reply without image")))
+        replied_image(r.into_inner().image, &op)
     }
 
     /// Sets `labels` on image `name` and touches nothing else (an empty
@@ -138,4 +134,9 @@ impl Containerd {
             }),
         }
     }
+}
+
+/// The image a Create or Update reply carries; containerd always sends one.
+fn replied_image(image: Option<Image>, op: &str) -> Result<Image> {
+    image.ok_or_else(|| Error::Protocol(format!("{op}: reply without image")))
 }

@@ -748,20 +748,15 @@ impl Importer {
                     self.unpin_names(&path, prev, &gone).await;
                 }
                 let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
-                self.state.files.insert(
+                self.record(
                     path.clone(),
                     FileState {
-                        kind: FileKind::Archive,
-                        hash,
-                        namespace: ns,
-                        size: stamp.size,
-                        mtime_ns: stamp.mtime_ns,
                         sha256: o.raw_sha256,
                         images,
                         error,
+                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
                     },
                 );
-                self.state_dirty = true;
                 // Changed while we read it: look again once it settles.
                 if std::fs::metadata(&path).ok().map(|m| Stamp::of(&m)) != Some(stamp) {
                     let debounce = self.cfg.debounce;
@@ -792,22 +787,22 @@ impl Importer {
                 // Images an earlier version provided stay pinned until the
                 // file is fixed or removed.
                 let images = prev.map(|p| p.images).unwrap_or_default();
-                self.state.files.insert(
+                self.record(
                     path,
                     FileState {
-                        kind: FileKind::Archive,
-                        hash,
-                        namespace: ns,
-                        size: stamp.size,
-                        mtime_ns: stamp.mtime_ns,
-                        sha256: None,
                         images,
                         error: Some(e.to_string()),
+                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
                     },
                 );
-                self.state_dirty = true;
             }
         }
+    }
+
+    /// Records what is known of `path` now; the state file is written later.
+    fn record(&mut self, path: PathBuf, file: FileState) {
+        self.state.files.insert(path, file);
+        self.state_dirty = true;
     }
 
     /// Whether the file still has the bytes recorded (a `touch` is no change).
@@ -875,20 +870,14 @@ impl Importer {
         }
         let error =
             (!list.invalid.is_empty()).then(|| format!("{} invalid lines", list.invalid.len()));
-        self.state.files.insert(
+        self.record(
             path.clone(),
             FileState {
-                kind: FileKind::List,
-                hash,
-                namespace: pull::CRI_NAMESPACE.into(),
-                size: stamp.size,
-                mtime_ns: stamp.mtime_ns,
-                sha256: None,
                 images,
                 error,
+                ..FileState::new(FileKind::List, hash, pull::CRI_NAMESPACE.into(), stamp)
             },
         );
-        self.state_dirty = true;
         if let Some(t) = self.lists.remove(&path) {
             t.cancel.cancel();
         }

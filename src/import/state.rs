@@ -83,6 +83,20 @@ impl Stamp {
 }
 
 impl FileState {
+    /// What is recorded of a file's version `stamp`, before any image.
+    pub fn new(kind: FileKind, hash: String, namespace: String, stamp: Stamp) -> FileState {
+        FileState {
+            kind,
+            hash,
+            namespace,
+            size: stamp.size,
+            mtime_ns: stamp.mtime_ns,
+            sha256: None,
+            images: BTreeMap::new(),
+            error: None,
+        }
+    }
+
     pub fn stamp(&self) -> Stamp {
         Stamp {
             size: self.size,
