@@ -666,51 +666,110 @@ async fn client_disconnect_cancels_upstream_call() {
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
     let reference = "cancel-me";
-    let open = |sock: std::path::PathBuf| async move {
-        let mut content = content_client(&sock).await;
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tx.send(api::WriteContentRequest {
-            action: api::WriteAction::Write as i32,
-            r#ref: reference.into(),
-            total: 1 << 20,
-            data: vec![7u8; 1024],
-            ..Default::default()
-        })
+    let (tx, replies) = hold_ingest(p.socket(), c.socket(), reference, None).await;
+    // The client goes away without closing its stream cleanly.
+    drop(replies);
+    drop(tx);
+    assert!(
+        ingest_released(c.socket(), reference).await,
+        "upstream ingest still locked: the proxy did not cancel the call"
+    );
+}
+
+/// A client whose deadline passes (`grpc-timeout`, relayed as is) has its
+/// upstream call ended by containerd, although the client keeps its stream
+/// open and never disconnects.
+#[tokio::test]
+async fn client_deadline_ends_upstream_call() {
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let reference = "deadline-me";
+    let (_tx, mut replies) = hold_ingest(
+        p.socket(),
+        c.socket(),
+        reference,
+        Some(Duration::from_secs(2)),
+    )
+    .await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), replies.message())
         .await
-        .unwrap();
-        let r = content
-            .write(with_ns(tokio_stream::wrappers::ReceiverStream::new(rx), NS))
-            .await;
-        (tx, r)
-    };
-    let (tx, r) = open(p.socket().to_path_buf()).await;
+        .expect("the call outlived its 2 s deadline by 8 s");
+    let e = ended.expect_err("the call ends in an error");
+    assert!(
+        matches!(
+            e.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{e:?}"
+    );
+    assert!(
+        ingest_released(c.socket(), reference).await,
+        "upstream ingest still locked after the client's deadline"
+    );
+}
+
+/// Opens a Content.Write ingest of `reference` through `sock` and waits for
+/// the first write to be acknowledged; containerd then holds its lock.
+/// Checks, straight on containerd, that a second writer is refused while
+/// it is held.
+async fn hold_ingest(
+    sock: &Path,
+    containerd: &Path,
+    reference: &str,
+    deadline: Option<Duration>,
+) -> (
+    tokio::sync::mpsc::Sender<api::WriteContentRequest>,
+    tonic::Streaming<api::WriteContentResponse>,
+) {
+    let (tx, r) = open_ingest(sock, reference, deadline).await;
     let mut replies = r.expect("open ingest").into_inner();
     replies.message().await.unwrap().expect("first write acked");
-    // While the ingest is held, containerd refuses the same ref.
-    let (_tx2, locked) = open(c.socket().to_path_buf()).await;
+    let (_tx2, locked) = open_ingest(containerd, reference, None).await;
     let locked = match locked {
         Err(e) => e,
         Ok(r) => r.into_inner().message().await.unwrap_err(),
     };
     assert_eq!(locked.code(), tonic::Code::Unavailable, "{locked:?}");
-    // The client goes away without closing its stream cleanly.
-    drop(replies);
-    drop(tx);
-    let released = poll_async(Duration::from_secs(10), || {
-        let sock = c.socket().to_path_buf();
-        async move {
-            let (_tx, r) = open(sock).await;
-            match r {
-                Ok(r) => r.into_inner().message().await.ok().flatten().map(|_| ()),
-                Err(_) => None,
-            }
+    (tx, replies)
+}
+
+/// Whether containerd lets a new writer take `reference` within 10 s.
+async fn ingest_released(containerd: &Path, reference: &str) -> bool {
+    poll_async(Duration::from_secs(10), || async move {
+        let (_tx, r) = open_ingest(containerd, reference, None).await;
+        match r {
+            Ok(r) => r.into_inner().message().await.ok().flatten().map(|_| ()),
+            Err(_) => None,
         }
     })
-    .await;
-    assert!(
-        released.is_some(),
-        "upstream ingest still locked: the proxy did not cancel the call"
-    );
+    .await
+    .is_some()
+}
+
+async fn open_ingest(
+    sock: &Path,
+    reference: &str,
+    deadline: Option<Duration>,
+) -> (
+    tokio::sync::mpsc::Sender<api::WriteContentRequest>,
+    Result<tonic::Response<tonic::Streaming<api::WriteContentResponse>>, tonic::Status>,
+) {
+    let mut content = content_client(sock).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(api::WriteContentRequest {
+        action: api::WriteAction::Write as i32,
+        r#ref: reference.into(),
+        total: 1 << 20,
+        data: vec![7u8; 1024],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut req = with_ns(tokio_stream::wrappers::ReceiverStream::new(rx), NS);
+    if let Some(d) = deadline {
+        req.set_timeout(d);
+    }
+    (tx, content.write(req).await)
 }
 
 /// Records what the hook saw; fails for names starting with `fail`.
