@@ -1811,6 +1811,48 @@ mod tests {
         assert_eq!(p, 5u32.to_be_bytes());
     }
 
+    /// A compressed request (grpc-encoding, flag 1) for a hooked method is
+    /// not decoded: it reaches containerd byte for byte, the hook (here one
+    /// that fails every call) never runs, and containerd's reply stands.
+    #[tokio::test]
+    async fn compressed_request_passes_untouched_and_skips_the_hook() {
+        let rules = Rules::new(true, false, Arc::new(Notify::new()));
+        let (mut client, mut server, _task) = start(rules);
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Held"));
+        let compressed = [1, 0, 0, 0, 3, 0xaa, 0xbb, 0xcc];
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &compressed));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+
+        server.write_all(&ok_reply(1)).await.unwrap();
+        let mut dec = loona_hpack::Decoder::new();
+        let mut statuses = Vec::new();
+        let mut data = Vec::new();
+        loop {
+            let (h, p) = read_frame(&mut client).await;
+            match h.kind {
+                frames::HEADERS => {
+                    for (n, v) in dec.decode(&p).unwrap() {
+                        if n == b"grpc-status" {
+                            statuses.push(v);
+                        }
+                    }
+                }
+                frames::DATA => data.extend(p),
+                _ => {}
+            }
+            if h.has(frames::END_STREAM) {
+                break;
+            }
+        }
+        assert_eq!(
+            statuses,
+            vec![b"0".to_vec()],
+            "containerd's status, not the hook's"
+        );
+        assert_eq!(data, MSG, "containerd's reply message");
+    }
+
     #[tokio::test]
     async fn held_reply_released_after_later_replies_decodes_with_one_hpack_state() {
         let gate = Arc::new(Notify::new());
