@@ -54,13 +54,11 @@ pub async fn serve(
     }
     if !config.import.dirs.is_empty() {
         let c = crate::containerd::Containerd::new(&config.upstream);
-        let stats = Arc::new(crate::import::Stats::default());
-        tasks.push(tokio::spawn(crate::import::run_with_stats(
+        tasks.push(tokio::spawn(crate::import::run(
             c,
             config.import.clone(),
             stop.clone(),
-            stats,
-            Some(ops.metrics.clone()),
+            vec![ops.metrics.clone()],
         )));
     }
     let mut pc = ProxyConfig::new(&config.upstream);

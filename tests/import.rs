@@ -272,12 +272,11 @@ impl Running {
         let stats = Arc::new(Stats::default());
         let stop = tokio_util::sync::CancellationToken::new();
         let metrics = Arc::new(Metrics::new());
-        let task = tokio::spawn(import::run_with_stats(
+        let task = tokio::spawn(import::run(
             c.clone(),
             cfg,
             stop.clone(),
-            stats.clone(),
-            Some(metrics.clone()),
+            vec![stats.clone(), metrics.clone()],
         ));
         Running {
             stats,

@@ -72,7 +72,8 @@ impl ImportError {
     }
 }
 
-/// Counters, for tests and metrics.
+/// Counters: an [`ImportObserver`] that only counts (the tests read it;
+/// `serve` reports to `ops::Metrics` instead).
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Archive files imported (fully or with some images failing).
@@ -94,13 +95,9 @@ pub struct Stats {
     pub scans: AtomicU64,
 }
 
-impl Stats {
-    pub fn get(c: &AtomicU64) -> u64 {
-        c.load(Ordering::SeqCst)
-    }
-
-    fn counter(&self, what: Count) -> &AtomicU64 {
-        match what {
+impl ImportObserver for Stats {
+    fn counted(&self, what: Count, n: u64) {
+        let c = match what {
             Count::Imported => &self.imported,
             Count::Failed => &self.failures,
             Count::Skipped => &self.skipped,
@@ -110,8 +107,13 @@ impl Stats {
             Count::Pinned => &self.pinned,
             Count::Unpinned => &self.unpinned,
             Count::Scans => &self.scans,
-        }
+        };
+        c.fetch_add(n, Ordering::SeqCst);
     }
+
+    fn file_failed(&self, _: &Path, _: &str, _: &dyn std::fmt::Display) {}
+
+    fn file_ok(&self, _: &Path, _: &str) {}
 }
 
 /// What [`Stats`] counts, as reported to an [`ImportObserver`].
@@ -289,20 +291,19 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
 }
 
 /// Runs the directory importer until `shutdown` (the `serve` command),
-/// counting into `stats` and reporting to `observer`.
-pub async fn run_with_stats(
+/// reporting what it does to `observers`.
+pub async fn run(
     containerd: Containerd,
     cfg: Import,
     shutdown: CancellationToken,
-    stats: Arc<Stats>,
-    observer: Option<Arc<dyn ImportObserver>>,
+    observers: Vec<Arc<dyn ImportObserver>>,
 ) {
     if cfg.dirs.is_empty() {
         return;
     }
-    let mut imp = Importer::new(containerd, cfg, stats);
-    imp.observer = observer;
-    imp.run(shutdown).await;
+    Importer::new(containerd, cfg, observers)
+        .run(shutdown)
+        .await;
 }
 
 #[derive(Clone, Copy)]
@@ -325,8 +326,7 @@ struct ListTask {
 pub struct Importer {
     c: Containerd,
     cfg: Import,
-    stats: Arc<Stats>,
-    observer: Option<Arc<dyn ImportObserver>>,
+    observers: Vec<Arc<dyn ImportObserver>>,
     state: State,
     state_dirty: bool,
     pending: HashMap<PathBuf, Pending>,
@@ -338,14 +338,13 @@ pub struct Importer {
 }
 
 impl Importer {
-    pub fn new(c: Containerd, cfg: Import, stats: Arc<Stats>) -> Importer {
+    pub fn new(c: Containerd, cfg: Import, observers: Vec<Arc<dyn ImportObserver>>) -> Importer {
         let state = State::load(&cfg.state_file);
         let (pull_tx, pull_rx) = mpsc::channel(256);
         Importer {
             c,
             cfg,
-            stats,
-            observer: None,
+            observers,
             state,
             state_dirty: false,
             pending: HashMap::new(),
@@ -358,20 +357,19 @@ impl Importer {
     }
 
     fn count(&self, what: Count, n: u64) {
-        self.stats.counter(what).fetch_add(n, Ordering::SeqCst);
-        if let Some(o) = &self.observer {
+        for o in &self.observers {
             o.counted(what, n);
         }
     }
 
     fn file_failed(&self, path: &Path, context: &str, error: &dyn std::fmt::Display) {
-        if let Some(o) = &self.observer {
+        for o in &self.observers {
             o.file_failed(path, context, error);
         }
     }
 
     fn file_ok(&self, path: &Path, context: &str) {
-        if let Some(o) = &self.observer {
+        for o in &self.observers {
             o.file_ok(path, context);
         }
     }
