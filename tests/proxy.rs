@@ -676,9 +676,10 @@ async fn client_disconnect_cancels_upstream_call() {
     );
 }
 
-/// A client whose deadline passes (`grpc-timeout`, relayed as is) has its
-/// upstream call ended by containerd, although the client keeps its stream
-/// open and never disconnects.
+/// A client whose deadline passes has its upstream call ended, although it
+/// keeps its stream open and never disconnects. tonic both sends
+/// `grpc-timeout` and resets the stream at the deadline, so either ends it
+/// here; [`grpc_timeout_reaches_containerd`] shows the header alone does.
 #[tokio::test]
 async fn client_deadline_ends_upstream_call() {
     let c = Containerd::start(ContainerdOpts::default());
@@ -705,6 +706,60 @@ async fn client_deadline_ends_upstream_call() {
     assert!(
         ingest_released(c.socket(), reference).await,
         "upstream ingest still locked after the client's deadline"
+    );
+}
+
+/// `grpc-timeout` reaches containerd as sent: an Events.Subscribe (which
+/// answers nothing until an event) from a bare HTTP/2 client that keeps no
+/// timer of its own is ended by containerd at the deadline.
+#[tokio::test]
+async fn grpc_timeout_reaches_containerd() {
+    use http_body_util::BodyExt;
+    let c = Containerd::start(ContainerdOpts::default());
+    let p = Imgbridge::start(c.socket(), &[]);
+    let s = tokio::net::UnixStream::connect(p.socket()).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(s),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post("http://x/containerd.services.events.v1.Events/Subscribe")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", "1S")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(
+            &[0; 5],
+        )))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = tokio::time::timeout(Duration::from_secs(10), async {
+        let resp = send.send_request(req).await.unwrap();
+        let t = match resp.headers().contains_key("grpc-status") {
+            true => resp.headers().clone(), // Trailers-Only
+            false => {
+                let body = resp.into_body().collect().await.unwrap();
+                body.trailers().cloned().expect("a reply with trailers")
+            }
+        };
+        let field = |k: &str| t.get(k).map(|v| v.to_str().unwrap().to_string());
+        (field("grpc-status").unwrap(), field("grpc-message"))
+    })
+    .await
+    .expect("no reply 9 s after a 1 s deadline: grpc-timeout did not reach containerd");
+    let took = started.elapsed();
+    // containerd 1.6 wraps it: UNKNOWN "subscription error: context deadline exceeded".
+    let (code, message) = status;
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.contains("deadline exceeded")),
+        "containerd's deadline did not end the call: grpc-status {code}, {message:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(900),
+        "ended after {took:?}, before the deadline"
     );
 }
 
