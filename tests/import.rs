@@ -775,6 +775,8 @@ async fn restart_skips_unchanged_and_reimports_removed() {
         r.get(|s| &s.skipped) >= 1
     })
     .await;
+    // An absence (no second import of b.tar) needs a window, not a poll: it
+    // spans two debounce periods (300 ms), so a debounced import would show.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let s = r.stop().await;
     assert_eq!(s.imported.load(Ordering::SeqCst), 1, "only a.tar again");
@@ -827,6 +829,9 @@ async fn bad_inputs_do_not_block_good_files() {
         r.get(|s| &s.failures) >= 9
     })
     .await;
+    // An absence (no bad file read twice) needs a window, not a poll: it
+    // spans two debounce periods (300 ms); these errors are permanent, never
+    // put on the retry timer.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let metrics = r.metrics.clone();
     let s = r.stop().await;
