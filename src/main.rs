@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use imgbridge::config::Config;
-use imgbridge::proxy::listener::{self, SocketPerms};
+use imgbridge::proxy::listener::{self, SocketFile, SocketPerms};
 
 #[derive(Parser)]
 #[command(name = "imgbridge", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IMGBRIDGE_GIT_COMMIT"), ")"), about = "containerd proxy shim: build-namespace images appear in k8s.io before the write returns")]
@@ -300,6 +300,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         };
         // Socket activation: systemd owns the sockets (and their files).
         let owned = activated.is_none();
+        // Files of the sockets bound here, removed however this block ends.
+        let mut files = Vec::new();
         let (l, ttrpc) = match activated {
             Some(a) => {
                 let ttrpc = a.ttrpc.map(tokio::net::UnixListener::from_std).transpose()?;
@@ -308,17 +310,16 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             None => {
                 // ttrpc first: once the gRPC socket accepts, both are up
                 // (clients, and the tests, wait for that one).
-                let ttrpc_path = imgbridge::app::ttrpc_path(&c.listen);
                 let ttrpc = if c.ttrpc {
-                    Some(listener::bind(&ttrpc_path, perms)?)
+                    let path = imgbridge::app::ttrpc_path(&c.listen);
+                    let l = listener::bind(&path, perms)?;
+                    files.push(SocketFile::new(&path));
+                    Some(l)
                 } else {
                     None
                 };
-                let l = listener::bind(&c.listen, perms).inspect_err(|_| {
-                    if ttrpc.is_some() {
-                        let _ = std::fs::remove_file(&ttrpc_path);
-                    }
-                })?;
+                let l = listener::bind(&c.listen, perms)?;
+                files.push(SocketFile::new(&c.listen));
                 (l, ttrpc)
             }
         };
@@ -329,7 +330,6 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
             .unwrap_or_else(|| c.listen.display().to_string());
         tracing::info!(listen = %bound, socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
-        let listen = c.listen.clone();
         let res = imgbridge::serve(
             l,
             imgbridge::app::Listeners { ttrpc },
@@ -337,12 +337,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             shutdown,
         )
         .await;
-        if owned {
-            let _ = std::fs::remove_file(&listen);
-        }
-        if owned && c.ttrpc {
-            let _ = std::fs::remove_file(imgbridge::app::ttrpc_path(&listen));
-        }
+        drop(files);
         tracing::info!("imgbridge stopped");
         res.map_err(anyhow::Error::from)
     })

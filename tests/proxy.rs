@@ -600,6 +600,27 @@ fn socket_mode_stale_socket_and_live_socket() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("in use"), "{err}");
+    // ... and leaves the running one's sockets alone.
+    let ttrpc = imgbridge::app::ttrpc_path(p.socket());
+    assert!(p.socket().exists() && ttrpc.exists());
+    ctr_ok(p.socket(), NS, ["version"]);
+    // A live socket that is not imgbridge's, with no ttrpc one beside it:
+    // the ttrpc socket bound first is removed again when start-up fails.
+    let dir = tempdir("live-");
+    let live = dir.path().join("l.sock");
+    let _other = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+        .args(["serve", "--listen", live.to_str().unwrap()])
+        .args(["--upstream", c.socket().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
+    assert!(live.exists(), "the other socket stays");
+    assert!(
+        !imgbridge::app::ttrpc_path(&live).exists(),
+        "no ttrpc socket left behind"
+    );
     // A stale socket file (nobody listening) is replaced.
     let dir = tempdir("stale-");
     let stale = dir.path().join("s.sock");
@@ -659,6 +680,10 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
     .unwrap();
     assert!(st.success(), "exit status {st:?}\n{}", p.log_tail());
     assert!(!p.socket().exists(), "socket must be removed on shutdown");
+    assert!(
+        !imgbridge::app::ttrpc_path(p.socket()).exists(),
+        "and its ttrpc socket"
+    );
 }
 
 #[tokio::test]

@@ -80,6 +80,23 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
     Ok(listener)
 }
 
+/// The file of a socket this process bound, removed when dropped: every way
+/// out of `serve`, a later bind failing included, leaves no file behind.
+pub struct SocketFile(PathBuf);
+
+impl SocketFile {
+    /// Takes charge of `path`, which this process has just bound.
+    pub fn new(path: &Path) -> SocketFile {
+        SocketFile(path.to_path_buf())
+    }
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn apply_perms(path: &Path, perms: SocketPerms) -> Result<(), ListenError> {
     let err = |source| ListenError::Perms {
         path: path.into(),
