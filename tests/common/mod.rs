@@ -2054,15 +2054,24 @@ impl PodRun {
             .unwrap_or_default()
     }
 
-    /// StopPodSandbox + RemovePodSandbox.
+    /// StopPodSandbox + RemovePodSandbox, retried for up to 30 s as kubelet
+    /// does: containerd 1.6 can fail a stop with "ttrpc: closed" when the
+    /// container's shim is exiting at that moment.
     pub async fn cleanup(self) {
         let mut rt = cri_runtime_client(&self.sock).await;
-        if let Err(e) = self.try_cleanup(&mut rt).await {
-            panic!(
-                "pod {} cleanup failed: {e}{}",
-                self.name,
-                logs_near(&self.sock)
-            );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let Err(e) = self.try_cleanup(&mut rt).await else {
+                return;
+            };
+            if Instant::now() >= deadline {
+                panic!(
+                    "pod {} cleanup failed for 30 s: {e}{}",
+                    self.name,
+                    logs_near(&self.sock)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await; // retry interval
         }
     }
 
