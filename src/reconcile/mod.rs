@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use containerd_client::services::v1::{ImageCreate, ImageDelete, ImageUpdate, SubscribeRequest};
+use containerd_client::services::v1::{
+    ImageCreate, ImageDelete, ImageUpdate, PublishRequest, SubscribeRequest,
+};
 use futures_util::stream::{self, StreamExt};
 use prost::Message;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +19,14 @@ use crate::replicate::Replicator;
 
 /// Images replicated at once during a pass.
 const PASS_PARALLEL: usize = 8;
+
+/// Published (in the first source namespace) until the subscription hears
+/// something: only then has containerd registered it.
+const BARRIER_TOPIC: &str = "/imgbridge/subscribed";
+
+/// How long a pass waits for the subscription to be live before it runs
+/// anyway (then writes in between wait for the next pass).
+const BARRIER_WAIT: Duration = Duration::from_secs(5);
 
 /// Result of one pass.
 #[derive(Debug, Default)]
@@ -75,13 +85,14 @@ pub async fn run(r: Arc<Replicator>, events: bool, first_pass: Gate, shutdown: C
             continue;
         }
         backoff = Duration::from_millis(50);
-        // Subscribe before the pass so nothing written in between is missed.
-        // containerd sends the reply headers only with the first event, so
-        // the subscription completes in its own task, never blocking the pass.
-        let sub = events.then(|| {
-            let task = tokio::spawn(subscribe(r.clone()));
-            (task.abort_handle(), task)
-        });
+        // Subscribe before the pass so nothing written in between is missed:
+        // a write the pass's listing does not see comes later, and its event
+        // reaches a subscription that containerd has registered.
+        let sub = match events {
+            true => Some(subscribe_live(&r, &shutdown).await),
+            false => None,
+        };
+        let sub = sub.map(|task| (task.abort_handle(), task));
         let report = pass(&r).await;
         log_report(&report);
         if let Some(m) = r.metrics() {
@@ -152,12 +163,52 @@ async fn wait_for_restart(r: &Replicator, shutdown: &CancellationToken) {
 
 type Events = tonic::Streaming<containerd_client::types::Envelope>;
 
+/// Subscribes, and returns once containerd has registered the subscription
+/// (or after [`BARRIER_WAIT`]). containerd answers a subscription only with
+/// its first event, and registers it asynchronously, so a barrier event is
+/// published until one event, whichever, has come back: the stream is then
+/// returned with that event still unread.
+async fn subscribe_live(
+    r: &Arc<Replicator>,
+    shutdown: &CancellationToken,
+) -> tokio::task::JoinHandle<Option<Events>> {
+    let task = tokio::spawn(subscribe(r.clone()));
+    let Some(ns) = r.settings().sources.first().cloned() else {
+        return task;
+    };
+    let deadline = tokio::time::Instant::now() + BARRIER_WAIT;
+    while !task.is_finished() && !shutdown.is_cancelled() {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!("events subscription not confirmed within {BARRIER_WAIT:?}; passing anyway (writes meanwhile wait for the next pass)");
+            break;
+        }
+        let barrier = PublishRequest {
+            topic: BARRIER_TOPIC.into(),
+            event: Some(prost_types::Any {
+                type_url: "types.googleapis.com/google.protobuf.Empty".into(),
+                value: Vec::new(),
+            }),
+        };
+        if let Err(e) = r
+            .containerd()
+            .events()
+            .publish(request(&ns, None, barrier))
+            .await
+        {
+            tracing::debug!(error = %e, "publishing the subscription barrier failed");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await; // poll interval
+    }
+    task
+}
+
 async fn subscribe(r: Arc<Replicator>) -> Option<Events> {
     let filters = r
         .settings()
         .sources
         .iter()
         .map(|ns| format!("namespace=={ns},topic~=\"^/images/\""))
+        .chain([format!("topic==\"{BARRIER_TOPIC}\"")])
         .collect();
     match r
         .containerd()
