@@ -742,14 +742,7 @@ async fn grpc_timeout_reaches_containerd() {
     use http_body_util::BodyExt;
     let c = Containerd::start(ContainerdOpts::default());
     let p = Imgbridge::start(c.socket(), &[]);
-    let s = tokio::net::UnixStream::connect(p.socket()).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(s),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = h2_connect(p.socket()).await;
     let req = http::Request::post("http://x/containerd.services.events.v1.Events/Subscribe")
         .header("content-type", "application/grpc")
         .header("te", "trailers")

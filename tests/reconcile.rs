@@ -391,14 +391,7 @@ async fn fake_handle(
             .unwrap();
     }
     // Relay to the real containerd.
-    let s = tokio::net::UnixStream::connect(&real).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(s),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = h2_connect(&real).await;
     let (mut parts, body) = req.into_parts();
     parts.uri = format!("http://localhost{path}").parse().unwrap();
     let resp = send

@@ -1839,6 +1839,25 @@ pub async fn try_containerd_channel(sock: &Path) -> Result<Channel, tonic::trans
         .await
 }
 
+/// A bare HTTP/2 client connection to `sock`: no gRPC layer and no timers
+/// of its own, for exact wire behaviour.
+pub async fn h2_connect<B>(sock: &Path) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let s = tokio::net::UnixStream::connect(sock).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(s),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    send
+}
+
 /// [`try_containerd_channel`], panicking with the nearby daemon logs on error.
 pub async fn containerd_channel(sock: &Path) -> Channel {
     try_containerd_channel(sock).await.unwrap_or_else(|e| {
