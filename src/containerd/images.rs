@@ -36,6 +36,7 @@ impl Containerd {
 
     pub async fn create_image(&self, ns: &str, image: Image) -> Result<Image> {
         let op = format!("Images.Create {} in {ns}", image.name);
+        let image = with_target(image, &op)?;
         let r = self
             .images()
             .create(request(
@@ -52,8 +53,11 @@ impl Containerd {
     }
 
     /// Update; an empty `mask` replaces the whole record (labels and target).
+    /// `image` is always the whole record, even when the mask names only
+    /// labels: see [`with_target`].
     pub async fn update_image(&self, ns: &str, image: Image, mask: Vec<String>) -> Result<Image> {
         let op = format!("Images.Update {} in {ns}", image.name);
+        let image = with_target(image, &op)?;
         let r = self
             .images()
             .update(request(
@@ -73,18 +77,30 @@ impl Containerd {
 
     /// Sets `labels` on image `name` and touches nothing else (an empty
     /// value removes the label). `None` when the image is gone.
+    ///
+    /// The request carries the current record (name, target, labels) with
+    /// the changes applied, and a mask naming only the changed labels: the
+    /// mask keeps a target that moved since the read, and the target keeps
+    /// containerd 1.7/2.x alive (see [`with_target`]). Callers serialise
+    /// writes to one record (the replicator's per-name lock, the importer's
+    /// single task), so the labels read here are the ones being changed.
     pub async fn update_image_labels(
         &self,
         ns: &str,
         name: &str,
         labels: std::collections::HashMap<String, String>,
     ) -> Result<Option<Image>> {
-        let mask = labels.keys().map(|k| format!("labels.{k}")).collect();
-        let image = Image {
-            name: name.into(),
-            labels,
-            ..Default::default()
+        let Some(mut image) = self.get_image(ns, name).await? else {
+            return Ok(None);
         };
+        let mask = labels.keys().map(|k| format!("labels.{k}")).collect();
+        for (k, v) in labels {
+            if v.is_empty() {
+                image.labels.remove(&k);
+            } else {
+                image.labels.insert(k, v);
+            }
+        }
         match self.update_image(ns, image, mask).await {
             Ok(i) => Ok(Some(i)),
             Err(e) if e.is(tonic::Code::NotFound) => Ok(None),
@@ -136,7 +152,52 @@ impl Containerd {
     }
 }
 
+/// containerd 1.7 and 2.x convert the record's target before they look at
+/// the mask and dereference it unchecked: an Images.Create or Update without
+/// one kills the whole daemon (1.6 accepted it). Such a request is refused
+/// here, before anything is sent, whatever the caller built.
+fn with_target(image: Image, op: &str) -> Result<Image> {
+    match &image.target {
+        Some(t) if !t.digest.is_empty() && !t.media_type.is_empty() && t.size > 0 => Ok(image),
+        _ => Err(Error::Protocol(format!(
+            "{op}: refusing to send an image record without a complete target \
+             (containerd 1.7 and 2.x crash on it); this is a bug in imgbridge"
+        ))),
+    }
+}
+
 /// The image a Create or Update reply carries; containerd always sends one.
 fn replied_image(image: Option<Image>, op: &str) -> Result<Image> {
     image.ok_or_else(|| Error::Protocol(format!("{op}: reply without image")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::containerd::Descriptor;
+
+    fn image(target: Option<Descriptor>) -> Image {
+        Image {
+            name: "docker.io/library/a:1".into(),
+            target,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_record_without_a_complete_target_is_never_sent() {
+        assert!(with_target(image(None), "Images.Update").is_err());
+        let partial = Descriptor {
+            digest: "sha256:ab".into(),
+            ..Default::default()
+        };
+        assert!(with_target(image(Some(partial)), "Images.Update").is_err());
+        let full = Descriptor {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            digest: "sha256:ab".into(),
+            size: 2,
+            ..Default::default()
+        };
+        assert!(with_target(image(Some(full)), "Images.Update").is_ok());
+    }
 }
