@@ -52,10 +52,13 @@ pub async fn serve(
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
     }
+    // One client for everything imgbridge writes itself, so a write that
+    // broke containerd's connection is held back whoever retries it.
+    let containerd = Containerd::new(&config.upstream);
+    containerd.breaker().observe(ops.metrics.clone());
     if !config.import.dirs.is_empty() {
-        let c = crate::containerd::Containerd::new(&config.upstream);
         tasks.push(tokio::spawn(crate::import::run(
-            c,
+            containerd.new_connection(),
             config.import.clone(),
             stop.clone(),
             vec![ops.metrics.clone()],
@@ -63,7 +66,6 @@ pub async fn serve(
     }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
-    let containerd = Containerd::new(&config.upstream);
     let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication))
         .with_metrics(ops.metrics.clone());
     tasks.push(replicator.start(stop.clone()));

@@ -123,8 +123,9 @@ impl Containerd {
         blob: BlobRef<'_>,
     ) -> Result<Linked> {
         let digest = blob.digest;
-        self.write_with(target, lease, blob, || self.read_stream(source, digest))
-            .await
+        let op = || format!("Content.Write {digest} in {target}");
+        let call = self.write_with(target, lease, blob, || self.read_stream(source, digest));
+        self.guarded(op, target, digest, call).await
     }
 
     /// Shared content in ONE round trip: a first message that is already the
@@ -132,6 +133,18 @@ impl Containerd {
     /// cannot share the bytes (isolated mode, or the backend lacks them):
     /// the ingest is aborted and the caller must stream them.
     pub async fn link_shared(
+        &self,
+        ns: &str,
+        lease: Option<&str>,
+        blob: BlobRef<'_>,
+    ) -> Result<Option<Linked>> {
+        let digest = blob.digest;
+        let op = || format!("Content.Write {digest} in {ns}");
+        self.guarded(op, ns, digest, self.commit_shared(ns, lease, blob))
+            .await
+    }
+
+    async fn commit_shared(
         &self,
         ns: &str,
         lease: Option<&str>,
@@ -355,21 +368,28 @@ impl Containerd {
         labels: &HashMap<String, String>,
     ) -> Result<()> {
         let paths = labels.keys().map(|k| format!("labels.{k}")).collect();
-        self.content()
-            .update(request(
-                ns,
-                None,
-                containerd_client::services::v1::UpdateRequest {
-                    info: Some(Info {
-                        digest: digest.into(),
-                        labels: labels.clone(),
-                        ..Default::default()
-                    }),
-                    update_mask: Some(prost_types::FieldMask { paths }),
-                },
-            ))
-            .await
-            .map_err(Error::status(format!("Content.Update {digest} in {ns}")))?;
+        let op = || format!("Content.Update {digest} in {ns}");
+        // Only the digest and the masked labels are read by every version
+        // (timestamps and size may be absent: converted as zero, not
+        // dereferenced).
+        let call = async {
+            self.content()
+                .update(request(
+                    ns,
+                    None,
+                    containerd_client::services::v1::UpdateRequest {
+                        info: Some(Info {
+                            digest: digest.into(),
+                            labels: labels.clone(),
+                            ..Default::default()
+                        }),
+                        update_mask: Some(prost_types::FieldMask { paths }),
+                    },
+                ))
+                .await
+                .map_err(Error::status(op()))
+        };
+        self.guarded(op, ns, digest, call).await?;
         Ok(())
     }
 }

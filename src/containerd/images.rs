@@ -37,18 +37,21 @@ impl Containerd {
     pub async fn create_image(&self, ns: &str, image: Image) -> Result<Image> {
         let op = format!("Images.Create {} in {ns}", image.name);
         let image = with_target(image, &op)?;
-        let r = self
-            .images()
-            .create(request(
-                ns,
-                None,
-                CreateImageRequest {
-                    image: Some(image),
-                    ..Default::default()
-                },
-            ))
-            .await
-            .map_err(Error::status(op.clone()))?;
+        let name = image.name.clone();
+        let call = async {
+            self.images()
+                .create(request(
+                    ns,
+                    None,
+                    CreateImageRequest {
+                        image: Some(image),
+                        ..Default::default()
+                    },
+                ))
+                .await
+                .map_err(Error::status(op.clone()))
+        };
+        let r = self.guarded(|| op.clone(), ns, &name, call).await?;
         replied_image(r.into_inner().image, &op)
     }
 
@@ -58,20 +61,23 @@ impl Containerd {
     pub async fn update_image(&self, ns: &str, image: Image, mask: Vec<String>) -> Result<Image> {
         let op = format!("Images.Update {} in {ns}", image.name);
         let image = with_target(image, &op)?;
-        let r = self
-            .images()
-            .update(request(
-                ns,
-                None,
-                UpdateImageRequest {
-                    image: Some(image),
-                    update_mask: (!mask.is_empty())
-                        .then_some(prost_types::FieldMask { paths: mask }),
-                    ..Default::default()
-                },
-            ))
-            .await
-            .map_err(Error::status(op.clone()))?;
+        let name = image.name.clone();
+        let call = async {
+            self.images()
+                .update(request(
+                    ns,
+                    None,
+                    UpdateImageRequest {
+                        image: Some(image),
+                        update_mask: (!mask.is_empty())
+                            .then_some(prost_types::FieldMask { paths: mask }),
+                        ..Default::default()
+                    },
+                ))
+                .await
+                .map_err(Error::status(op.clone()))
+        };
+        let r = self.guarded(|| op.clone(), ns, &name, call).await?;
         replied_image(r.into_inner().image, &op)
     }
 
@@ -129,26 +135,27 @@ impl Containerd {
 
     /// Deletes an image; a missing one is not an error.
     pub async fn delete_image(&self, ns: &str, name: &str, sync: bool) -> Result<()> {
-        match self
-            .images()
-            .delete(request(
-                ns,
-                None,
-                DeleteImageRequest {
-                    name: name.into(),
-                    sync,
-                    ..Default::default()
-                },
-            ))
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
-            Err(status) => Err(Error::Status {
-                op: format!("Images.Delete {name} in {ns}"),
-                status,
-            }),
-        }
+        let op = || format!("Images.Delete {name} in {ns}");
+        let call = async {
+            match self
+                .images()
+                .delete(request(
+                    ns,
+                    None,
+                    DeleteImageRequest {
+                        name: name.into(),
+                        sync,
+                        ..Default::default()
+                    },
+                ))
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+                Err(status) => Err(Error::Status { op: op(), status }),
+            }
+        };
+        self.guarded(op, ns, name, call).await
     }
 }
 

@@ -1,6 +1,7 @@
 //! Typed helpers over `containerd-client`: the calls imgbridge itself makes
 //! to containerd (content, leases, images, CRI). No policy lives here.
 
+pub mod breaker;
 pub mod content;
 pub mod cri;
 pub mod images;
@@ -31,6 +32,16 @@ pub enum Error {
     },
     #[error("{0}")]
     Protocol(String),
+    /// Not sent: an earlier `op` on the same item broke the connection.
+    #[error("{op}: not sent: {}", match .refusal {
+        breaker::Refusal::HeldBack { remaining } => format!(
+            "it broke containerd's connection before; held back for another {remaining:?}"),
+        breaker::Refusal::Stopped => "it broke containerd's connection twice; not sent again until imgbridge restarts".to_string(),
+    })]
+    Refused {
+        op: String,
+        refusal: breaker::Refusal,
+    },
 }
 
 impl Error {
@@ -43,7 +54,7 @@ impl Error {
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
             Error::Status { status, .. } => Some(status.code()),
-            Error::Protocol(_) => None,
+            Error::Protocol(_) | Error::Refused { .. } => None,
         }
     }
 
@@ -64,6 +75,9 @@ pub struct Containerd {
     /// waiting for (a deadlock with several concurrent copies).
     bulk: Channel,
     socket: PathBuf,
+    /// Shared by every clone: writes that broke the connection (see
+    /// [`breaker`]).
+    breaker: std::sync::Arc<breaker::Breaker>,
 }
 
 fn connect(socket: &Path, windows: Option<(u32, u32)>) -> Channel {
@@ -93,7 +107,45 @@ impl Containerd {
             // per round trip; larger ones let containerd keep streaming.
             bulk: connect(&socket, Some((BULK_STREAM_WINDOW, BULK_CONNECTION_WINDOW))),
             socket,
+            breaker: Default::default(),
         }
+    }
+
+    /// A client on connections of its own (bulk writes of one part do not
+    /// share HTTP/2 windows with another's) that shares this one's breaker.
+    pub fn new_connection(&self) -> Self {
+        Containerd {
+            breaker: self.breaker.clone(),
+            ..Containerd::new(self.socket.clone())
+        }
+    }
+
+    pub fn breaker(&self) -> &breaker::Breaker {
+        &self.breaker
+    }
+
+    /// Sends a write of imgbridge's own on `item` (image name or blob
+    /// digest) in `ns`, unless an earlier one broke the connection (see
+    /// [`breaker`]); records the outcome.
+    pub(crate) async fn guarded<T>(
+        &self,
+        op: impl FnOnce() -> String,
+        ns: &str,
+        item: &str,
+        call: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        if let Err(refusal) = self.breaker.admit(ns, item) {
+            return Err(Error::Refused { op: op(), refusal });
+        }
+        let r = call.await;
+        match &r {
+            Ok(_) => self.breaker.succeeded(ns, item),
+            Err(Error::Status { op, status }) if breaker::broke_connection(status) => {
+                self.breaker.broke(op, ns, item)
+            }
+            Err(_) => {}
+        }
+        r
     }
 
     pub fn socket(&self) -> &Path {
@@ -151,7 +203,9 @@ impl Containerd {
             .version(())
             .await
             .map_err(Error::status("Version"))?;
-        Ok(v.into_inner().version)
+        let v = v.into_inner().version;
+        self.breaker.saw_version(&v);
+        Ok(v)
     }
 
     /// The metadata store's content sharing policy (`shared` or `isolated`).

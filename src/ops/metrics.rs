@@ -37,6 +37,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use serde::Serialize;
 
+use crate::containerd::breaker::{BreakObserver, Broken};
 use crate::import::{Count, ImportObserver};
 use crate::proxy::observe::CallObserver;
 
@@ -161,6 +162,10 @@ pub struct Metrics {
     pending: Mutex<Pending>,
     image_errors: Mutex<HashMap<String, LastError>>,
     file_errors: Mutex<HashMap<String, LastError>>,
+    broken_calls: Family<OutcomeLabels, Counter>,
+    /// Calls that broke containerd's connection twice and are no longer
+    /// sent (bounded like the last errors: one entry per item).
+    stopped_calls: Mutex<HashMap<String, Broken>>,
 }
 
 impl Default for Metrics {
@@ -191,7 +196,14 @@ impl Metrics {
             pending: Mutex::new(Pending::default()),
             image_errors: Mutex::new(HashMap::new()),
             file_errors: Mutex::new(HashMap::new()),
+            broken_calls: Family::default(),
+            stopped_calls: Mutex::new(HashMap::new()),
         };
+        registry.register(
+            "broken_calls",
+            "Writes of imgbridge's own during which containerd's connection broke (did containerd crash?), by what followed: held_back (retried later) or stopped (not sent again)",
+            m.broken_calls.clone(),
+        );
         registry.register(
             "proxy_calls",
             "gRPC calls relayed, by method and final grpc-status (\"none\": the stream ended without one)",
@@ -345,6 +357,29 @@ impl Metrics {
     /// Last errors per file, as `/status` shows them.
     pub fn file_errors(&self) -> HashMap<String, LastError> {
         lock(&self.file_errors).clone()
+    }
+}
+
+/// The containerd client's side: writes that broke the connection.
+impl BreakObserver for Metrics {
+    fn call_broke(&self, call: &Broken, stopped: bool) {
+        let outcome = if stopped { "stopped" } else { "held_back" };
+        self.broken_calls
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+        if stopped {
+            let mut calls = lock(&self.stopped_calls);
+            if calls.len() < MAX_LAST_ERRORS {
+                calls.insert(format!("{}/{}", call.namespace, call.item), call.clone());
+            }
+        }
+    }
+}
+
+impl Metrics {
+    /// Calls no longer sent, as `/status` shows them.
+    pub fn stopped_calls(&self) -> Vec<Broken> {
+        lock(&self.stopped_calls).values().cloned().collect()
     }
 }
 

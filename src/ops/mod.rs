@@ -111,6 +111,7 @@ impl Ops {
             },
             config: (*self.config).clone(),
             pending: self.metrics.pending(),
+            stopped_calls: self.metrics.stopped_calls(),
             last_errors: LastErrors {
                 images: self.metrics.image_errors().into_iter().collect(),
                 files: self.metrics.file_errors().into_iter().collect(),
@@ -133,6 +134,9 @@ pub struct Status {
     /// The effective configuration (file + flags).
     pub config: Config,
     pub pending: Pending,
+    /// Writes that broke containerd's connection twice: not sent again
+    /// until imgbridge restarts (see `containerd::breaker`).
+    pub stopped_calls: Vec<crate::containerd::breaker::Broken>,
     pub last_errors: LastErrors,
 }
 

@@ -63,6 +63,14 @@ pub async fn pass(r: &Replicator) -> Report {
                 Err(e) => report.failed.push((format!("{ns}/{name}"), e.to_string())),
             }
         }
+        // Labels converge too: replicas whose source went away while the
+        // delete could not be followed (down, or the write failed).
+        match r.converge_deletes(ns).await {
+            Ok(n) => report.writes += n,
+            Err(e) => report
+                .failed
+                .push((format!("{ns}/* (delete_policy)"), e.to_string())),
+        }
     }
     report
 }

@@ -829,6 +829,87 @@ impl Replicator {
         Ok(())
     }
 
+    /// Applies `delete_policy` to every replica of `source` whose source
+    /// image is gone: deletes that happened while imgbridge or containerd
+    /// was down, or whose policy write failed (a crash in between), still
+    /// end as the policy says. Idempotent: an already unpinned replica costs
+    /// no write. Returns the replicas the policy was applied to.
+    pub async fn converge_deletes(&self, source: &str) -> Result<usize, Error> {
+        let err = |target: &str, cause| Error::Containerd {
+            image: "*".into(),
+            source_ns: source.into(),
+            target: target.into(),
+            cause,
+        };
+        let live = self.replica_names(source).await.map_err(|e| err("*", e))?;
+        let mut applied = 0;
+        for target in &self.s.targets {
+            let filter = format!("labels.\"{SOURCE}\"==\"{source}\"");
+            let replicas = self
+                .c
+                .list_images(target, vec![filter])
+                .await
+                .map_err(|e| err(target, e))?;
+            for r in replicas {
+                if live.contains(&r.name) || !self.owes_policy(&r) {
+                    continue;
+                }
+                let _g = self.locks.lock(format!("{target}\0{}", r.name)).await;
+                // A write may have brought the source back meanwhile.
+                if self
+                    .replica_names(source)
+                    .await
+                    .map_err(|e| err(target, e))?
+                    .contains(&r.name)
+                {
+                    continue;
+                }
+                let Some(current) = self
+                    .c
+                    .get_image(target, &r.name)
+                    .await
+                    .map_err(|e| err(target, e))?
+                else {
+                    continue;
+                };
+                tracing::info!(image = %r.name, source, target, "source image is gone; applying delete_policy in the catch-up pass");
+                self.apply_delete_policy(source, target, current)
+                    .await
+                    .map_err(|e| err(target, e))?;
+                applied += 1;
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Whether `delete_policy` would still change replica `r`.
+    fn owes_policy(&self, r: &Image) -> bool {
+        match self.s.delete_policy {
+            DeletePolicy::Keep => false,
+            DeletePolicy::Delete => true,
+            DeletePolicy::Unpin => pin_owner(&r.labels) == PinOwner::Replication,
+        }
+    }
+
+    /// The replica names (tags and, with `digest_refs`, digest records) the
+    /// images now in `source` map to.
+    async fn replica_names(
+        &self,
+        source: &str,
+    ) -> Result<std::collections::HashSet<String>, ctrd::Error> {
+        let mut names = std::collections::HashSet::new();
+        for img in self.c.list_images(source, Vec::new()).await? {
+            let Ok(parsed) = Reference::parse(&img.name) else {
+                continue;
+            };
+            names.insert(parsed.to_string());
+            if let (true, None, Some(t)) = (self.s.digest_refs, &parsed.digest, &img.target) {
+                names.insert(parsed.with_digest(&t.digest));
+            }
+        }
+        Ok(names)
+    }
+
     /// Unpins, deletes or keeps one replica record, never one we did not write.
     async fn apply_delete_policy(
         &self,

@@ -868,7 +868,7 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let mut cmd = Command::new("ctr");
+    let mut cmd = flavor().command("ctr");
     cmd.arg("-a")
         .arg(sock)
         .arg("-n")
@@ -930,6 +930,165 @@ where
 }
 
 // ---------------------------------------------------------------------------
+// The containerd under test
+// ---------------------------------------------------------------------------
+
+/// The containerd version every test of this process runs against.
+///
+/// `IMGBRIDGE_CONTAINERD` picks it: a label of `scripts/containerd-matrix.sh`
+/// (`1.6`, `1.7`, `2.1`, `2.4`), whose binaries that script fetches or builds
+/// into its cache, or a directory holding `containerd`, `ctr` and
+/// `containerd-shim-runc-v2`. Unset, the `containerd` on PATH is used (the
+/// Debian package `scripts/test.sh` installs). That version's bin dir comes
+/// first on PATH for containerd (so it starts its own shim) and for ctr.
+pub struct Flavor {
+    /// What `IMGBRIDGE_CONTAINERD` said (`system` when unset).
+    pub label: String,
+    /// The bin dir put first on PATH; `None` for the system's.
+    pub bin_dir: Option<PathBuf>,
+    /// As `containerd --version` prints it (`1.7.24~ds1`, `v2.4.2`).
+    pub version: String,
+    /// (major, minor, patch) parsed from `version`.
+    pub semver: (u64, u64, u64),
+}
+
+impl Flavor {
+    /// 2.x: `version = 3` configs, Transfer by default in ctr, CRI split
+    /// into `io.containerd.cri.v1.images` / `.runtime`.
+    pub fn is_v2(&self) -> bool {
+        self.semver.0 >= 2
+    }
+
+    /// The Transfer service exists from 1.7.
+    pub fn has_transfer(&self) -> bool {
+        self.semver >= (1, 7, 0)
+    }
+
+    /// CRI reports `io.cri-containerd.pinned` from 1.6.22 / 1.7.3 (a pin on
+    /// the named record alone counts only from 1.6.25 / 1.7.10).
+    pub fn honours_pinned(&self) -> bool {
+        let v = self.semver;
+        v.0 >= 2 || (v.0, v.1) == (1, 7) && v.2 >= 10 || (v.0, v.1) == (1, 6) && v.2 >= 25
+    }
+
+    /// PATH with this version's bin dir first.
+    pub fn path_env(&self) -> std::ffi::OsString {
+        let old = std::env::var_os("PATH").unwrap_or_default();
+        match &self.bin_dir {
+            Some(d) => {
+                let mut p = d.as_os_str().to_owned();
+                p.push(":");
+                p.push(old);
+                p
+            }
+            None => old,
+        }
+    }
+
+    /// A command for one of this version's binaries (`containerd`, `ctr`).
+    pub fn command(&self, bin: &str) -> Command {
+        let mut cmd = match &self.bin_dir {
+            Some(d) => Command::new(d.join(bin)),
+            None => Command::new(bin),
+        };
+        cmd.env("PATH", self.path_env());
+        cmd
+    }
+}
+
+/// Parses `1.7.24~ds1-5`, `v2.4.2`, `2.1.9~ds1` into (major, minor, patch).
+pub fn parse_semver(v: &str) -> Option<(u64, u64, u64)> {
+    let v = v.trim().trim_start_matches('v');
+    let mut parts = v.splitn(3, '.');
+    let num = |s: &str| -> Option<u64> {
+        let digits: String = s.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    Some((
+        num(parts.next()?)?,
+        num(parts.next()?)?,
+        num(parts.next()?)?,
+    ))
+}
+
+pub fn flavor() -> &'static Flavor {
+    static F: OnceLock<Flavor> = OnceLock::new();
+    F.get_or_init(|| {
+        let label = std::env::var("IMGBRIDGE_CONTAINERD").unwrap_or_default();
+        let bin_dir = if label.is_empty() || label == "system" {
+            None
+        } else if label.contains('/') {
+            Some(PathBuf::from(&label))
+        } else {
+            Some(matrix_bin_dir(&label))
+        };
+        let mut f = Flavor {
+            label: if label.is_empty() {
+                "system".into()
+            } else {
+                label
+            },
+            bin_dir,
+            version: String::new(),
+            semver: (0, 0, 0),
+        };
+        let out = f
+            .command("containerd")
+            .arg("--version")
+            .output()
+            .unwrap_or_else(|e| panic!("containerd ({}) cannot run: {e}", f.label));
+        // "containerd github.com/containerd/containerd/v2 v2.4.2 <commit>"
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        f.version = text
+            .split_whitespace()
+            .nth(2)
+            .unwrap_or_else(|| panic!("unexpected `containerd --version` output: {text}"))
+            .to_string();
+        f.semver = parse_semver(&f.version)
+            .unwrap_or_else(|| panic!("cannot parse containerd version {:?}", f.version));
+        eprintln!(
+            "harness: containerd {} ({}, {})",
+            f.version,
+            f.label,
+            f.bin_dir
+                .as_deref()
+                .map_or("PATH".into(), |d| d.display().to_string())
+        );
+        f
+    })
+}
+
+/// The bin dir `scripts/containerd-matrix.sh` gives for `label` (fetched or
+/// built on first use, cached after).
+fn matrix_bin_dir(label: &str) -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/containerd-matrix.sh");
+    let out = Command::new(&script)
+        .args(["fetch", label])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{} fetch {label} failed ({}): {text}",
+        script.display(),
+        out.status
+    );
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3 && f[0] == label).then(|| PathBuf::from(f[2]))
+        })
+        .next()
+        .unwrap_or_else(|| {
+            panic!(
+                "{} fetch {label} printed no bin dir: {text}",
+                script.display()
+            )
+        })
+}
+
+// ---------------------------------------------------------------------------
 // containerd
 // ---------------------------------------------------------------------------
 
@@ -944,7 +1103,7 @@ pub struct ContainerdOpts {
     pub registry_mirror: Option<String>,
 }
 
-/// A private containerd 1.6 on sockets in its own temp dir.
+/// A private containerd (the [`flavor`] under test) on sockets in its own temp dir.
 pub struct Containerd {
     opts: ContainerdOpts,
     daemon: Daemon,
@@ -990,7 +1149,7 @@ impl Containerd {
     }
 
     fn spawn(config: &Path, sock: &Path, dir: &Path) -> Daemon {
-        let mut cmd = Command::new("containerd");
+        let mut cmd = flavor().command("containerd");
         cmd.arg("--config").arg(config);
         // Keep containerd away from any system-wide client settings.
         cmd.env_remove("CONTAINERD_ADDRESS")
@@ -1097,6 +1256,27 @@ impl Containerd {
         self.daemon.log_tail(60)
     }
 
+    /// Panics, with the log tail (where a Go panic shows), unless the
+    /// containerd that had `pid` is still the one running: imgbridge must
+    /// never take the runtime down.
+    pub fn assert_still_running(&mut self, pid: u32) {
+        if let Some(st) = self.daemon.try_reap() {
+            panic!(
+                "containerd {} (pid {pid}) died ({st}); log tail:\n{}",
+                flavor().version,
+                self.log_tail()
+            );
+        }
+        assert_eq!(self.pid(), pid, "containerd was restarted");
+        assert!(
+            !fs::read_to_string(self.log_path())
+                .unwrap_or_default()
+                .contains("panic:"),
+            "containerd logged a panic; log tail:\n{}",
+            self.log_tail()
+        );
+    }
+
     /// SIGKILL containerd (its shims keep running, as in a real crash).
     pub fn kill9(&mut self) {
         self.daemon.kill9();
@@ -1201,11 +1381,19 @@ impl Drop for Containerd {
 fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
     let p = |s: &str| d.join(s).display().to_string();
     let policy = if opts.isolated { "isolated" } else { "shared" };
+    let v2 = flavor().is_v2();
+    // 2.x reads a native `version = 3` config (a version 2 one is migrated
+    // with a warning); its CRI is split into images and runtime plugins.
+    let cri_plugins = if v2 {
+        r#""io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime""#
+    } else {
+        r#""io.containerd.grpc.v1.cri""#
+    };
     let mut cfg = format!(
-        r#"version = 2
+        r#"version = {version}
 root = "{root}"
 state = "{state}"
-{disabled}
+disabled_plugins = [{disabled}]
 
 [grpc]
   address = "{sock}"
@@ -1236,20 +1424,64 @@ state = "{state}"
     deletion_threshold = 1000000
     mutation_threshold = 1000000
 "#,
+        version = if v2 { 3 } else { 2 },
         root = p("root"),
         state = p("state"),
         sock = p("containerd.sock"),
         ttrpc = p("containerd.sock.ttrpc"),
         opt = p("opt"),
-        disabled = if opts.cri {
-            "disabled_plugins = []"
-        } else {
-            r#"disabled_plugins = ["io.containerd.grpc.v1.cri"]"#
-        },
+        disabled = if opts.cri { "" } else { cri_plugins },
     );
-    if opts.cri {
+    if !opts.cri {
+        return cfg;
+    }
+    let snap = snapshotter();
+    let runc_root = p("runc");
+    let (cni_bin, cni_conf) = (p("cni/bin"), p("cni/net.d"));
+    if v2 {
+        let certs = d.join("certs.d");
+        if let Some(mirror) = &opts.registry_mirror {
+            // 2.x dropped the `mirrors` table: hosts.toml under config_path.
+            let host_dir = certs.join(mirror);
+            fs::create_dir_all(&host_dir).expect("create certs.d");
+            fs::write(
+                host_dir.join("hosts.toml"),
+                format!(
+                    "server = \"http://{mirror}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+                ),
+            )
+            .expect("write hosts.toml");
+        }
         cfg.push_str(&format!(
             r#"  [plugins."io.containerd.grpc.v1.cri"]
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+  [plugins."io.containerd.cri.v1.images"]
+    snapshotter = "{snap}"
+    [plugins."io.containerd.cri.v1.images".pinned_images]
+      sandbox = "{PAUSE_IMAGE}"
+    [plugins."io.containerd.cri.v1.images".registry]
+      config_path = "{certs}"
+  [plugins."io.containerd.cri.v1.runtime"]
+    disable_apparmor = true
+    restrict_oom_score_adj = true
+    [plugins."io.containerd.cri.v1.runtime".containerd]
+      default_runtime_name = "runc"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+          # runc state in our temp dir instead of /run/containerd/runc
+          Root = "{runc_root}"
+    [plugins."io.containerd.cri.v1.runtime".cni]
+      bin_dirs = ["{cni_bin}"]
+      conf_dir = "{cni_conf}"
+"#,
+            certs = certs.display(),
+        ));
+        return cfg;
+    }
+    cfg.push_str(&format!(
+        r#"  [plugins."io.containerd.grpc.v1.cri"]
     disable_apparmor = true
     restrict_oom_score_adj = true
     sandbox_image = "{PAUSE_IMAGE}"
@@ -1266,19 +1498,14 @@ state = "{state}"
     [plugins."io.containerd.grpc.v1.cri".cni]
       bin_dir = "{cni_bin}"
       conf_dir = "{cni_conf}"
-"#,
-            snap = snapshotter(),
-            runc_root = p("runc"),
-            cni_bin = p("cni/bin"),
-            cni_conf = p("cni/net.d"),
-        ));
-        if let Some(mirror) = &opts.registry_mirror {
-            cfg.push_str(&format!(
-                r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
+"#
+    ));
+    if let Some(mirror) = &opts.registry_mirror {
+        cfg.push_str(&format!(
+            r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
       endpoint = ["http://{mirror}"]
 "#
-            ));
-        }
+        ));
     }
     cfg
 }
@@ -1997,7 +2224,12 @@ pub fn ctr_ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
         &digest[7..19],
         file.display()
     );
-    let out = Command::new("sh").arg("-c").arg(&sh).output().unwrap();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(&sh)
+        .env("PATH", flavor().path_env())
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "{sh}: {}",

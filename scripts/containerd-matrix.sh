@@ -1,0 +1,365 @@
+#!/usr/bin/env bash
+# Provides the containerd binaries of the test version matrix, each set in its
+# own bin dir (containerd, ctr, containerd-shim-runc-v2 and nothing else, so
+# the dir can go first on PATH), cached outside the repo and reused across runs.
+#
+#   scripts/containerd-matrix.sh fetch [LABEL...]   (default: 1.6 1.7 2.1 2.4)
+#       stdout, one line per label: <label> <version> <absolute bindir>
+#       <version> is the Debian package version for Debian builds (it is what
+#       `containerd --version` prints as revision for 1.6/1.7; sid's 2.1 build
+#       only prints "2.1.9+unknown"), else containerd's own (v2.4.2).
+#   scripts/containerd-matrix.sh versions
+#       stdout: "<module> <version>" for each peer pinned in tests/peers/go.mod
+#
+# Labels:
+#   1.6  Debian package installed on this machine (bookworm), via symlinks
+#   1.7  Debian trixie's containerd package
+#   2.1  Debian sid's containerd package
+#   2.4  built from the Go module pinned in tests/peers/go.mod
+#
+# Environment:
+#   IMGBRIDGE_CACHE            cache root (default /var/cache/imgbridge-test)
+#   IMGBRIDGE_MATRIX_REFRESH=1 re-run apt update and pick up newer Debian
+#                              versions; otherwise a cached one is reused, so a
+#                              warm run needs no network
+#   IMGBRIDGE_DEBIAN_MIRROR    Debian mirror URI (default: the one this
+#                              machine's apt sources use for its own release)
+#
+# Progress goes to stderr. Exits non-zero naming every label that could not be
+# provided (the lines of the others are still printed).
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+peers_dir="$repo_root/tests/peers"
+cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
+ctd_cache="$cache_root/containerd"
+all_labels=(1.6 1.7 2.1 2.4)
+# Only these go into a bin dir; Debian's 1.7 package also ships the v1 shims.
+binaries=(containerd ctr containerd-shim-runc-v2)
+containerd_module=github.com/containerd/containerd/v2
+
+log() { echo "containerd-matrix: $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# Temp dirs live inside the cache (same filesystem) so a finished dir can be
+# renamed into place atomically: a dir under $ctd_cache/<version> is complete.
+tmp_dirs=()
+cleanup() { if ((${#tmp_dirs[@]})); then rm -rf "${tmp_dirs[@]}"; fi; }
+new_tmp() { # → path of a fresh temp dir in $ctd_cache (set as $tmp)
+    tmp="$(mktemp -d "$ctd_cache/.tmp.XXXXXX")"
+    tmp_dirs+=("$tmp")
+}
+install_dir() { # tmpdir finaldir: rename, or keep a dir a concurrent run made
+    if ! mv -T "$1" "$2" 2>/dev/null; then
+        [[ -x "$2/bin/containerd" ]] || die "cannot move $1 to $2"
+        rm -rf "$1"
+    fi
+}
+
+# Runs the three binaries; fails unless `containerd --version` reports
+# $2 (an upstream version prefix). Prints that version field.
+check_bindir() { # label bindir expected-prefix
+    local label="$1" bindir="$2" want="$3" out ver
+    for b in "${binaries[@]}"; do
+        [[ -x "$bindir/$b" ]] || die "label $label: $bindir/$b missing"
+    done
+    out="$("$bindir/containerd" --version 2>&1)" ||
+        die "label $label: $bindir/containerd --version failed: $out"
+    "$bindir/ctr" --version >/dev/null 2>&1 ||
+        die "label $label: $bindir/ctr --version failed"
+    "$bindir/containerd-shim-runc-v2" -v >/dev/null 2>&1 ||
+        die "label $label: $bindir/containerd-shim-runc-v2 -v failed"
+    # "containerd <package> <version> <revision>"
+    ver="$(awk '{print $3}' <<<"$out")"
+    [[ "$ver" == "$want"* ]] ||
+        die "label $label: $bindir/containerd reports '$ver', expected $want*"
+    printf '%s\n' "$ver"
+}
+
+# ---------------------------------------------------------------- 1.6 system
+
+fetch_system() { # label: the Debian package installed on this machine
+    local label="$1" bindir="$ctd_cache/1.6-system/bin" ver
+    [[ -x /usr/bin/containerd ]] ||
+        die "label $label: /usr/bin/containerd missing (scripts/test.sh installs it: apt-get install containerd)"
+    ver="$(dpkg-query -W -f='${Version}' containerd 2>/dev/null)" ||
+        die "label $label: Debian package containerd is not installed"
+    # Symlinks, not copies: always the installed version, and a bin dir that
+    # exposes only these three (unlike /usr/bin).
+    mkdir -p "$bindir"
+    for b in "${binaries[@]}"; do
+        ln -sfn "/usr/bin/$b" "$bindir/$b"
+    done
+    check_bindir "$label" "$bindir" "$label." >/dev/null
+    echo "$label $ver $bindir"
+}
+
+# ---------------------------------------------------------- 1.7/2.1 Debian
+
+# The mirror this machine already uses for Debian, so no host name is written
+# into the repo. Looks for the stanza/line of the machine's own release
+# (bookworm), which is the main archive, not debian-security.
+debian_mirror() {
+    if [[ -n "${IMGBRIDGE_DEBIAN_MIRROR:-}" ]]; then
+        echo "$IMGBRIDGE_DEBIAN_MIRROR"
+        return
+    fi
+    local codename uri f
+    # shellcheck disable=SC1091
+    codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")"
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [[ -f "$f" ]] || continue
+        # deb822: paragraphs; take URIs of the first "deb" stanza whose
+        # Suites list contains the codename itself.
+        uri="$(awk -v cn="$codename" 'BEGIN { RS = ""; FS = "\n" }
+            {
+                types = ""; suites = ""; uris = ""
+                for (i = 1; i <= NF; i++) {
+                    if ($i ~ /^Types:/)  types = " " substr($i, 7) " "
+                    if ($i ~ /^Suites:/) suites = " " substr($i, 8) " "
+                    if ($i ~ /^URIs:/)   uris = substr($i, 6)
+                }
+                gsub(/[ \t]+/, " ", types); gsub(/[ \t]+/, " ", suites)
+                if (types ~ / deb / && suites ~ (" " cn " ")) {
+                    split(uris, u, " "); print u[1]; exit
+                }
+            }' "$f")"
+        [[ -n "$uri" ]] && { echo "$uri"; return; }
+    done
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [[ -f "$f" ]] || continue
+        # one-line format: deb [options] URI suite components...
+        uri="$(awk -v cn="$codename" '$1 == "deb" {
+                i = 2
+                if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+                if ($(i + 1) == cn) { print $i; exit }
+            }' "$f")"
+        [[ -n "$uri" ]] && { echo "$uri"; return; }
+    done
+    return 1
+}
+
+# A private apt setup per suite: own sources, lists, cache and an empty dpkg
+# status, so the system's apt state and sources are never touched. The
+# system's apt.conf.d still applies (proxies etc.).
+apt_opts() { # suite → sets array $apt
+    local d="$cache_root/apt/$1"
+    apt=(
+        -o "Dir::Etc::SourceList=/dev/null"
+        -o "Dir::Etc::SourceParts=$d/sources.list.d"
+        -o "Dir::Etc::Preferences=/dev/null"
+        -o "Dir::Etc::PreferencesParts=/dev/null"
+        -o "Dir::State::Lists=$d/lists"
+        -o "Dir::State::Status=$d/status"
+        -o "Dir::Cache=$d/cache"
+    )
+}
+
+apt_update() { # label suite
+    local label="$1" suite="$2" d="$cache_root/apt/$2" mirror
+    mirror="$(debian_mirror)" ||
+        die "label $label: no Debian mirror found in /etc/apt (set IMGBRIDGE_DEBIAN_MIRROR)"
+    mkdir -p "$d/sources.list.d" "$d/lists/partial" "$d/cache/archives/partial"
+    : >"$d/status"
+    # debian-archive-keyring (bookworm, 2023.3+deb12u2) already holds the
+    # trixie archive/release keys that sign trixie and sid. Targets: Packages
+    # skips the Translation/DEP-11 indexes the system config would add.
+    cat >"$d/sources.list.d/$suite.sources" <<EOF
+Types: deb
+URIs: $mirror
+Suites: $suite
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+Targets: Packages
+EOF
+    log "apt-get update ($suite, private lists in $d)"
+    apt_opts "$suite"
+    apt-get "${apt[@]}" -q --error-on=any update >&2 ||
+        die "label $label: apt-get update for Debian $suite failed"
+}
+
+fetch_debian() { # label suite
+    local label="$1" suite="$2" ptr="$ctd_cache/debian-$2.version" ver dir deb upstream
+    # The version is only known after apt-get update; remember what was
+    # resolved last time and reuse it unless a refresh is asked for.
+    ver=""
+    if [[ -z "${IMGBRIDGE_MATRIX_REFRESH:-}" && -f "$ptr" ]]; then
+        ver="$(<"$ptr")"
+        [[ -x "$ctd_cache/${ver//:/_}/bin/containerd" ]] || ver=""
+    fi
+    if [[ -z "$ver" ]]; then
+        apt_update "$label" "$suite"
+        apt_opts "$suite"
+        ver="$(apt-cache "${apt[@]}" policy containerd | awk '/Candidate:/ {print $2}')"
+        [[ -n "$ver" && "$ver" != "(none)" ]] ||
+            die "label $label: no containerd package in Debian $suite"
+        # Debian versions look like 1.7.24~ds1-6+deb13u1: the upstream part
+        # must belong to this label, or the label would silently change.
+        [[ "${ver#*:}" == "$label."* ]] ||
+            die "label $label: Debian $suite now has containerd $ver (not $label.x); update the matrix"
+    fi
+    # No ':' (an epoch) in the dir name: the bin dir goes into PATH.
+    dir="$ctd_cache/${ver//:/_}"
+    upstream="${ver#*:}" && upstream="${upstream%%[~+-]*}"
+    if [[ ! -x "$dir/bin/containerd" ]]; then
+        log "downloading containerd=$ver from Debian $suite"
+        new_tmp
+        # apt's download sandbox runs as _apt, which must be able to write here.
+        if id _apt >/dev/null 2>&1; then chown _apt "$tmp"; fi
+        (cd "$tmp" && apt-get "${apt[@]}" -q download "containerd=$ver" >&2) ||
+            die "label $label: apt-get download containerd=$ver failed"
+        chown root "$tmp"
+        deb=("$tmp"/containerd_*.deb)
+        [[ -f "${deb[0]}" ]] || die "label $label: no .deb downloaded"
+        dpkg-deb -x "${deb[0]}" "$tmp/root"
+        mkdir -p "$tmp/bin"
+        for b in "${binaries[@]}"; do
+            [[ -f "$tmp/root/usr/bin/$b" ]] ||
+                die "label $label: package containerd=$ver has no usr/bin/$b"
+            mv "$tmp/root/usr/bin/$b" "$tmp/bin/$b"
+        done
+        rm -rf "$tmp/root" "${deb[@]}"
+        check_bindir "$label" "$tmp/bin" "$upstream" >/dev/null
+        chmod 755 "$tmp"
+        install_dir "$tmp" "$dir"
+    fi
+    printf '%s\n' "$ver" >"$ptr.tmp.$$" && mv -f "$ptr.tmp.$$" "$ptr"
+    check_bindir "$label" "$dir/bin" "$upstream" >/dev/null
+    echo "$label $ver $dir/bin"
+}
+
+# ------------------------------------------------------------------- 2.4 Go
+
+# "<module> <version>" for each module in tests/peers/go.mod that provides a
+# tool directive. Parses go.mod itself so it needs neither network nor a
+# module cache.
+gomod_pins() {
+    awk '
+        $1 ~ /^\/\// || NF == 0 { next }
+        /^\)/                   { blk = ""; next }
+        /^(tool|require) \(/    { blk = $1; next }
+        $1 == "tool"            { tools[++nt] = $2; next }
+        $1 == "require"         { req[$2] = $3; next }
+        blk == "tool"           { tools[++nt] = $1 }
+        blk == "require"        { req[$1] = $2 }
+        END {
+            for (i = 1; i <= nt; i++) {
+                best = ""
+                for (m in req)
+                    if ((tools[i] == m || index(tools[i], m "/") == 1) &&
+                        length(m) > length(best)) best = m
+                if (best != "" && !(best in seen)) {
+                    seen[best] = 1; print best, req[best]
+                }
+            }
+        }' "$peers_dir/go.mod"
+}
+
+gomod_version() { # module → pinned version
+    gomod_pins | awk -v m="$1" '$1 == m { print $2 }'
+}
+
+find_go() {
+    if command -v go >/dev/null 2>&1; then
+        command -v go
+    elif [[ -x /usr/local/go/bin/go ]]; then
+        echo /usr/local/go/bin/go
+    else
+        return 1
+    fi
+}
+
+fetch_go_containerd() { # label
+    local label="$1" go ver cc cgo key dir ldflags
+    go="$(find_go)" || die "label $label: go not found (needed to build containerd)"
+    ver="$(gomod_version "$containerd_module")"
+    [[ -n "$ver" ]] || die "label $label: $containerd_module not pinned in $peers_dir/go.mod"
+    [[ "$ver" == "v$label."* ]] ||
+        die "label $label: tests/peers/go.mod pins $containerd_module $ver (not v$label.x)"
+
+    # Flags follow containerd's Makefile (+ Makefile.linux) for a release
+    # build: version stamped via ldflags (Revision stays empty: the module
+    # proxy carries no commit id), -s -w, tag urfave_cli_no_docs, and
+    # -buildmode=pie with cgo for containerd/ctr (cgo brings in the btrfs
+    # snapshotter; it needs only linux/btrfs.h from linux-libc-dev). The shim
+    # is built as upstream does: CGO_ENABLED=0 (static) with tag no_grpc.
+    # Without a C compiler we fall back to CGO_ENABLED=0 (no btrfs snapshotter,
+    # which the tests do not use).
+    cc="$("$go" env CC)"
+    if command -v "${cc%% *}" >/dev/null 2>&1; then cgo=1; else
+        cgo=0
+        log "label $label: no C compiler ($cc); building containerd/ctr with CGO_ENABLED=0"
+    fi
+    ldflags="-X $containerd_module/version.Version=$ver -X $containerd_module/version.Package=$containerd_module -s -w"
+    local -a main_flags=(-mod=readonly -buildmode=pie -tags urfave_cli_no_docs -ldflags "$ldflags")
+    local -a shim_flags=(-mod=readonly -tags "urfave_cli_no_docs no_grpc" -ldflags "$ldflags")
+
+    # Cache key: anything that changes the binaries (pins, go.sum, toolchain,
+    # flags) gives a new dir, so a change rebuilds and the old dir stays valid.
+    key="$( {
+        cat "$peers_dir/go.mod" "$peers_dir/go.sum"
+        "$go" env GOVERSION GOARCH
+        echo "cgo=$cgo ${main_flags[*]} / ${shim_flags[*]}"
+    } | sha256sum | cut -c1-12)"
+    dir="$ctd_cache/$ver-$key"
+
+    if [[ ! -x "$dir/bin/containerd" ]]; then
+        log "building containerd $ver with $("$go" env GOVERSION) into $dir (first time: downloads modules, takes minutes)"
+        new_tmp
+        # GOWORK=off: never let a go.work above the repo change the build list.
+        (cd "$peers_dir" && GOWORK=off CGO_ENABLED=$cgo "$go" build "${main_flags[@]}" \
+            -o "$tmp/bin/" "$containerd_module/cmd/containerd" "$containerd_module/cmd/ctr" >&2) ||
+            die "label $label: go build of containerd/ctr $ver failed"
+        (cd "$peers_dir" && GOWORK=off CGO_ENABLED=0 "$go" build "${shim_flags[@]}" \
+            -o "$tmp/bin/" "$containerd_module/cmd/containerd-shim-runc-v2" >&2) ||
+            die "label $label: go build of containerd-shim-runc-v2 $ver failed"
+        check_bindir "$label" "$tmp/bin" "$ver" >/dev/null
+        chmod 755 "$tmp"
+        install_dir "$tmp" "$dir"
+    fi
+    ver="$(check_bindir "$label" "$dir/bin" "$ver")"
+    echo "$label $ver $dir/bin"
+}
+
+# --------------------------------------------------------------------- main
+
+fetch_label() { # label; run in a subshell (see below)
+    trap cleanup EXIT
+    mkdir -p "$ctd_cache"
+    case "$1" in
+        1.6) fetch_system 1.6 ;;
+        1.7) fetch_debian 1.7 trixie ;;
+        2.1) fetch_debian 2.1 sid ;;
+        2.4) fetch_go_containerd 2.4 ;;
+        *) die "unknown label '$1' (known: ${all_labels[*]})" ;;
+    esac
+}
+
+cmd="${1:-}"
+case "$cmd" in
+    fetch)
+        shift
+        labels=("$@")
+        ((${#labels[@]})) || labels=("${all_labels[@]}")
+        failed=()
+        for label in "${labels[@]}"; do
+            # A subshell per label, not called from `||`/`if`: there bash would
+            # ignore `set -e` inside it. One label failing does not stop the rest.
+            set +e
+            (set -e; fetch_label "$label")
+            rc=$?
+            set -e
+            ((rc == 0)) || failed+=("$label")
+        done
+        if ((${#failed[@]})); then
+            die "could not provide containerd for label(s): ${failed[*]}"
+        fi
+        ;;
+    versions)
+        gomod_pins
+        ;;
+    *)
+        echo "usage: $0 fetch [LABEL...] | versions   (labels: ${all_labels[*]})" >&2
+        exit 2
+        ;;
+esac

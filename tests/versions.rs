@@ -1,0 +1,242 @@
+//! Never take containerd down, on every version of the matrix
+//! (`IMGBRIDGE_CONTAINERD`, see `scripts/containerd-matrix.sh`).
+//!
+//! containerd 1.7 and 2.x dereference an image record's target before they
+//! look at an `Images.Update`'s field mask: a label-only update without one
+//! killed the daemon (1.6 accepted it). Every path that changes labels on a
+//! record imgbridge did not just write is driven here against a real
+//! containerd, and each test asserts that containerd's pid never changed
+//! and that the labels end as the policy says. On 1.6.25+/1.7.10+/2.x CRI
+//! must also report the pin (`Image.pinned`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use containerd_client::services::v1 as api;
+
+const SRC: &str = "buildkit";
+const K8S: &str = "k8s.io";
+const PINNED: &str = "io.cri-containerd.pinned";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn cri() -> ContainerdOpts {
+    ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    }
+}
+
+fn config(dir: &Path, body: &str) -> PathBuf {
+    let p = dir.join("config.toml");
+    std::fs::write(&p, body).unwrap();
+    p
+}
+
+async fn labels(sock: &Path, name: &str) -> Option<HashMap<String, String>> {
+    get_image(sock, K8S, name).await.map(|i| i.labels)
+}
+
+async fn is_pinned(sock: &Path, name: &str) -> bool {
+    labels(sock, name)
+        .await
+        .is_some_and(|l| l.get(PINNED).map(String::as_str) == Some("pinned"))
+}
+
+/// Polls until the record `name` in k8s.io is (un)pinned, then checks that
+/// CRI says the same where it can.
+async fn wait_pin(sock: &Path, name: &str, want: bool) {
+    let ok = poll_async(DEADLINE, || async {
+        let present = labels(sock, name).await.is_some();
+        (present && is_pinned(sock, name).await == want).then_some(())
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "{name} never became pinned={want}: {:?}",
+        labels(sock, name).await
+    );
+    assert_cri_pinned(sock, name, want).await;
+}
+
+/// CRI's `Image.pinned` follows the label on versions that honour it.
+async fn assert_cri_pinned(sock: &Path, name: &str, want: bool) {
+    if !flavor().honours_pinned() {
+        return;
+    }
+    // CRI's cache follows containerd's events a few ms behind the record.
+    let seen = poll_async(DEADLINE, || async {
+        cri_image_status(sock, name)
+            .await
+            .filter(|i| i.pinned == want)
+    })
+    .await;
+    assert!(
+        seen.is_some(),
+        "CRI ImageStatus({name}).pinned never became {want} on containerd {}",
+        flavor().version
+    );
+}
+
+fn delete_req(name: &str) -> tonic::Request<api::DeleteImageRequest> {
+    with_ns(
+        api::DeleteImageRequest {
+            name: name.into(),
+            ..Default::default()
+        },
+        SRC,
+    )
+}
+
+/// `delete_policy = "unpin"` with `pin = true`: a source image removed
+/// through imgbridge (`ctr images rm`) and one removed on containerd's own
+/// socket (the events path) both leave an unpinned replica and a running
+/// containerd. Before the fix, containerd 1.7/2.x died on the first unpin.
+#[tokio::test]
+async fn delete_policy_unpin_through_imgbridge_and_directly_keeps_containerd_up() {
+    let mut c = Containerd::start(cri());
+    let pid = c.pid();
+    let dir = tempdir("cfg-");
+    let cfg = config(dir.path(), "[replication]\npin = true\n");
+    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+
+    let img = TestImage::hello("unpin-proxy:1");
+    let archive = img.docker_archive();
+    ctr_ok(
+        p.socket(),
+        SRC,
+        ["images", "import", archive.to_str().unwrap()],
+    );
+    let replica = img.normalized();
+    assert!(
+        is_pinned(c.socket(), &replica).await,
+        "replica pinned on return"
+    );
+    assert_cri_pinned(c.socket(), &replica, true).await;
+    ctr_ok(p.socket(), SRC, ["images", "rm", &img.normalized()]);
+    wait_pin(c.socket(), &replica, false).await;
+    c.assert_still_running(pid);
+
+    // Written through imgbridge, deleted behind its back: the events
+    // subscription applies the policy.
+    let target = image_target(c.socket(), K8S, &replica).await;
+    images_client(p.socket())
+        .await
+        .create(create_image_req(SRC, "unpin-direct:1", &target))
+        .await
+        .unwrap();
+    let direct = "docker.io/library/unpin-direct:1";
+    assert!(is_pinned(c.socket(), direct).await);
+    images_client(c.socket())
+        .await
+        .delete(delete_req("unpin-direct:1"))
+        .await
+        .unwrap();
+    wait_pin(c.socket(), direct, false).await;
+    c.assert_still_running(pid);
+    assert!(
+        !p.log().contains("connection broke"),
+        "no write of imgbridge's broke containerd's connection:\n{}",
+        p.log()
+    );
+}
+
+/// A watched archive: imported and pinned, unpinned when deleted, pinned
+/// again by `imgbridge import` of the same file; containerd stays up.
+#[tokio::test]
+async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
+    let mut c = Containerd::start(cri());
+    let pid = c.pid();
+    let dir = tempdir("watch-");
+    let watch = dir.path().join("images");
+    std::fs::create_dir_all(&watch).unwrap();
+    let cfg = config(
+        dir.path(),
+        &format!(
+            "[reconcile]\nenabled = false\n[import]\nstate_file = \"{}\"\ndebounce = \"200ms\"\n",
+            dir.path().join("state.json").display()
+        ),
+    );
+    let mut p = Imgbridge::start(
+        c.socket(),
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--watch-dir",
+            watch.to_str().unwrap(),
+        ],
+    );
+    let img = TestImage::hello("watched:1");
+    let file = watch.join("watched.tar");
+    let staged = dir.path().join("watched.tar.part");
+    std::fs::copy(img.docker_archive(), &staged).unwrap();
+    std::fs::rename(&staged, &file).unwrap();
+    let name = img.normalized();
+    wait_pin(c.socket(), &name, true).await;
+    std::fs::remove_file(&file).unwrap();
+    wait_pin(c.socket(), &name, false).await;
+    c.assert_still_running(pid);
+    p.kill9();
+
+    // The one-shot CLI pins what it imports.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+        .args(["import", "--upstream"])
+        .arg(c.socket())
+        .arg(img.docker_archive())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "imgbridge import: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_pin(c.socket(), &name, true).await;
+    c.assert_still_running(pid);
+}
+
+/// A delete imgbridge never saw (it was down; then containerd restarted as
+/// well) is applied by the catch-up pass of the next start: the replica ends
+/// unpinned, and the restarted containerd stays up through it.
+#[tokio::test]
+async fn catch_up_applies_the_delete_policy_it_missed_across_restarts() {
+    let mut c = Containerd::start(cri());
+    let dir = tempdir("cfg-");
+    let cfg = config(dir.path(), "[replication]\npin = true\n");
+    let cfg = cfg.to_str().unwrap().to_string();
+    let mut p = Imgbridge::start(c.socket(), &["--config", &cfg]);
+    let img = TestImage::hello("missed-delete:1");
+    let archive = img.docker_archive();
+    ctr_ok(
+        p.socket(),
+        SRC,
+        ["images", "import", archive.to_str().unwrap()],
+    );
+    let replica = img.normalized();
+    let target = image_target(c.socket(), K8S, &replica).await;
+    let dref = format!("docker.io/library/missed-delete@{}", target.digest);
+    assert!(is_pinned(c.socket(), &replica).await && is_pinned(c.socket(), &dref).await);
+    p.kill9();
+
+    images_client(c.socket())
+        .await
+        .delete(delete_req(&replica))
+        .await
+        .unwrap();
+    // containerd restarts in between, as after the crash this guards.
+    c.kill9();
+    c.restart();
+    let pid = c.pid();
+    assert!(
+        is_pinned(c.socket(), &replica).await,
+        "nobody unpinned it yet"
+    );
+
+    let p = Imgbridge::start(c.socket(), &["--config", &cfg]);
+    wait_pin(c.socket(), &replica, false).await;
+    wait_pin(c.socket(), &dref, false).await;
+    c.assert_still_running(pid);
+    assert!(p.log().contains("applying delete_policy"), "{}", p.log());
+}
