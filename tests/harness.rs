@@ -25,18 +25,26 @@ async fn cri_import_status_and_pod() {
     });
     let started = t0.elapsed();
     let version = cd.ctr_ok("default", ["version"]);
+    let (major, minor, _) = flavor().semver;
     assert!(
-        version.contains("1.6"),
+        version.contains(&format!("{major}.{minor}.")),
         "unexpected ctr version:\n{version}"
     );
 
     let img = TestImage::hello("harness-a:v1");
     let archive = img.docker_archive();
-    let out = cd.ctr_ok(
+    cd.ctr_ok(
         "k8s.io",
         ["images", "import", archive.to_str().expect("utf-8 path")],
     );
-    assert!(out.contains("docker.io/library/harness-a:v1"), "{out}");
+    // (ctr 2.x imports through Transfer and prints a progress table.)
+    let listed = cd.ctr_ok("k8s.io", ["images", "ls", "-q"]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l == "docker.io/library/harness-a:v1"),
+        "{listed}"
+    );
 
     // CRI learns about the image from the ImageCreate event: poll.
     let name = img.normalized();
@@ -96,8 +104,7 @@ fn registry_push_and_ctr_pull() {
     assert_eq!(pushed, format!("{}/harness-b:v2", reg.addr()));
 
     let cd = Containerd::start(ContainerdOpts::default());
-    let out = cd.ctr_ok("buildkit", ["images", "pull", "--plain-http", &pushed]);
-    assert!(out.contains("done"), "{out}");
+    cd.ctr_ok("buildkit", ["images", "pull", "--plain-http", &pushed]);
     let ls = cd.ctr_ok("buildkit", ["images", "ls", "-q"]);
     assert!(ls.lines().any(|l| l == pushed), "{pushed} not in:\n{ls}");
     // The pushed manifest is the OCI layout's manifest, unchanged.

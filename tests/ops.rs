@@ -31,58 +31,31 @@ fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-/// A private containerd on sockets in a temp dir.
+/// A private containerd (the harness's, so the version under test) on
+/// sockets in a temp dir.
 struct Ctrd {
-    dir: tempfile::TempDir,
-    child: Child,
+    inner: common::Containerd,
     sock: PathBuf,
 }
 
 impl Ctrd {
     fn start(cri: bool) -> Ctrd {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        let sock = d.join("containerd.sock");
-        let disabled = if cri {
-            ""
-        } else {
-            "\"io.containerd.grpc.v1.cri\""
-        };
-        let config = format!(
-            "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\ndisabled_plugins = [{disabled}]\n\
-             [grpc]\n  address = \"{sock}\"\n[ttrpc]\n  address = \"{sock}.ttrpc\"\n\
-             [plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_apparmor = true\n  restrict_oom_score_adj = true\n",
-            root = d.join("root").display(),
-            state = d.join("state").display(),
-            sock = sock.display(),
-        );
-        std::fs::write(d.join("config.toml"), config).unwrap();
-        let log = std::fs::File::create(d.join("containerd.log")).unwrap();
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(d.join("config.toml"))
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("containerd on PATH");
-        let c = Ctrd { dir, child, sock };
-        poll("containerd to answer", || {
-            ctr(&c.sock, &["version"]).status.success().then_some(())
+        let inner = common::Containerd::start(common::ContainerdOpts {
+            cri,
+            ..Default::default()
         });
-        c
+        let sock = inner.socket().to_path_buf();
+        Ctrd { inner, sock }
     }
-}
 
-impl Drop for Ctrd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = &self.dir;
+    fn dir(&self) -> &Path {
+        self.inner.dir()
     }
 }
 
 fn ctr(sock: &Path, args: &[&str]) -> Output {
-    Command::new("ctr")
+    common::flavor()
+        .command("ctr")
         .arg("-a")
         .arg(sock)
         .args(args)
@@ -221,7 +194,7 @@ fn metrics_count_real_calls_through_the_proxy() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     let digest = common::sha256_digest(&blob);
-    let blob_file = c.dir.path().join("test-blob");
+    let blob_file = c.dir().join("test-blob");
     std::fs::write(&blob_file, &blob).unwrap();
     common::ctr_ingest(&c.sock, "default", &digest, &blob_file);
     let b0 = sample(&p.scrape(), BYTES);
@@ -300,6 +273,7 @@ fn readyz_fails_while_containerd_is_down() {
 
 #[test]
 fn doctor_passes_on_a_healthy_node() {
+    use imgbridge::ops::doctor::{self, parse_version, pinned_support, PinnedSupport};
     let c = Ctrd::start(true);
     assert!(ctr(&c.sock, &["namespaces", "create", "buildkit"])
         .status
@@ -322,18 +296,36 @@ fn doctor_passes_on_a_healthy_node() {
         ),
     )
     .unwrap();
-    let out = Command::new(BIN)
-        .args(["doctor", "--config"])
-        .arg(&cfg)
-        .arg("--upstream")
-        .arg(&c.sock)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    // containerd's config file is named explicitly: the host's own
+    // /etc/containerd/config.toml must not decide the result.
+    let ctd_config = c.dir().join("config.toml");
+    let run_doctor = || {
+        let out = Command::new(BIN)
+            .args(["doctor", "--config"])
+            .arg(&cfg)
+            .arg("--upstream")
+            .arg(&c.sock)
+            .env(doctor::CONFIG_ENV, &ctd_config)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}");
+        text
+    };
+    // The line of one check, whatever its mark.
+    let line_of = |text: &str, what: &str| -> String {
+        text.lines()
+            .find(|l| {
+                l.split_once(' ')
+                    .is_some_and(|(_, rest)| rest.starts_with(&format!("{what}: ")))
+            })
+            .unwrap_or_else(|| panic!("no {what:?} line in\n{text}"))
+            .to_string()
+    };
+    let text = run_doctor();
     for line in [
         "✓ configuration: valid; replicating buildkit → k8s.io",
-        "✓ upstream: containerd 1.",
+        "✓ upstream: containerd ",
         "✓ content sharing: policy \"shared\"",
         "✓ CRI plugin: loaded",
         "✓ source namespaces: buildkit",
@@ -348,15 +340,15 @@ fn doctor_passes_on_a_healthy_node() {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
     // containerd 1.6.20 predates the pinned label; import.pin is on by default.
-    use imgbridge::ops::doctor::{parse_version, pinned_support, PinnedSupport};
     let rt = rt();
     let _enter = rt.enter();
     let version = rt.block_on(Containerd::new(&c.sock).version()).unwrap();
+    let v = parse_version(&version).unwrap();
     let pinned = text
         .lines()
         .find(|l| l.contains(" pinned label: "))
         .unwrap();
-    match pinned_support(parse_version(&version).unwrap()) {
+    match pinned_support(v) {
         PinnedSupport::Full => assert!(pinned.starts_with("✓"), "{pinned}"),
         PinnedSupport::Partial => assert!(pinned.starts_with("!"), "{pinned}"),
         PinnedSupport::No => {
@@ -367,6 +359,84 @@ fn doctor_passes_on_a_healthy_node() {
             );
         }
     }
+
+    // The version against the tested matrix.
+    let l = line_of(&text, "containerd version");
+    match doctor::matrix(v) {
+        doctor::Matrix::Tested => assert!(
+            l.starts_with(&format!(
+                "✓ containerd version: {version} is in imgbridge's tested matrix"
+            )),
+            "{l}"
+        ),
+        _ => assert!(
+            l.starts_with(&format!("! containerd version: {version} ")),
+            "{l}"
+        ),
+    }
+    assert_eq!(
+        text.contains("! containerd support: 1.6 is out of support upstream"),
+        (v.0, v.1) == (1, 6),
+        "{text}"
+    );
+
+    // Transfer: found over Introspection, present from 1.7 on.
+    let l = line_of(&text, "Transfer service");
+    if doctor::ships_transfer(v) {
+        assert!(l.starts_with("✓ Transfer service: present: "), "{l}");
+        assert!(l.contains("imgbridge intercepts it"), "{l}");
+    } else {
+        assert!(l.starts_with("✓ Transfer service: absent "), "{l}");
+    }
+
+    // The config file's version against what this containerd reads natively.
+    let written = std::fs::read_to_string(&ctd_config).unwrap();
+    let file = doctor::config_file_version(&written).unwrap();
+    let native = doctor::native_config_version(v).unwrap();
+    let l = line_of(&text, "containerd config");
+    let head = format!(
+        "containerd config: {} has version = {file}",
+        ctd_config.display()
+    );
+    if file == native {
+        assert!(
+            l.starts_with(&format!("✓ {head}, which containerd {version} reads as is")),
+            "{l}"
+        );
+    } else {
+        assert!(l.starts_with(&format!("! {head}")), "{l}");
+        assert!(
+            l.contains(&format!("migrates it to version {native}")),
+            "{l}"
+        );
+    }
+
+    // Snapshotters: CRI's (from Status or ImageFsInfo) against buildkit's.
+    assert!(
+        text.contains(
+            "✓ snapshotters: CRI overlayfs, buildkit overlayfs (containerd's default): the same"
+        ),
+        "{text}"
+    );
+    // A namespace default that differs from CRI's is a warning with a fix.
+    assert!(ctr(
+        &c.sock,
+        &[
+            "namespaces",
+            "label",
+            "buildkit",
+            "containerd.io/defaults/snapshotter=native"
+        ]
+    )
+    .status
+    .success());
+    let text = run_doctor();
+    let l = line_of(&text, "snapshotters");
+    assert!(
+        l.starts_with("! snapshotters: CRI overlayfs, buildkit native (namespace label): "),
+        "{l}"
+    );
+    assert!(l.contains("— fix: "), "{l}");
 }
 
 #[test]

@@ -240,3 +240,81 @@ async fn catch_up_applies_the_delete_policy_it_missed_across_restarts() {
     c.assert_still_running(pid);
     assert!(p.log().contains("applying delete_policy"), "{}", p.log());
 }
+
+/// ctr through the real Transfer service (1.7 with `--local=false`, the
+/// default from 2.0; also what nerdctl ≥ 2.3 uses): import, pull and tag
+/// into the source namespace are in k8s.io, resolvable by CRI, the moment
+/// ctr returns. 1.6 has no Transfer service.
+#[tokio::test]
+async fn transfer_import_pull_and_tag_are_replicated_before_ctr_returns() {
+    if !flavor().has_transfer() {
+        eprintln!("containerd {} has no Transfer service", flavor().version);
+        return;
+    }
+    let mut c = Containerd::start(cri());
+    let pid = c.pid();
+    let dir = tempdir("cfg-");
+    // Reconcile off: only the Transfer interception can replicate.
+    let cfg = config(dir.path(), "[reconcile]\nenabled = false\n");
+    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    let resolves = |name: String| {
+        let sock = c.socket().to_path_buf();
+        async move { cri_image_status(&sock, &name).await.map(|i| i.id) }
+    };
+
+    let imported = TestImage::hello("xfer-import:1");
+    let archive = imported.docker_archive();
+    ctr_ok(
+        p.socket(),
+        SRC,
+        [
+            "images",
+            "import",
+            "--local=false",
+            archive.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(
+        resolves(imported.normalized()).await,
+        Some(imported.config_digest()),
+        "imported through Transfer: replicated before ctr returned"
+    );
+
+    let reg = Registry::start();
+    let pulled = TestImage::hello("xfer-pull:1");
+    let reference = pulled.push(&reg.addr());
+    ctr_ok(
+        p.socket(),
+        SRC,
+        [
+            "images",
+            "pull",
+            "--local=false",
+            "--plain-http",
+            &reference,
+        ],
+    );
+    assert_eq!(
+        resolves(reference.clone()).await,
+        Some(pulled.config_digest()),
+        "pulled through Transfer: replicated before ctr returned"
+    );
+
+    ctr_ok(
+        p.socket(),
+        SRC,
+        [
+            "images",
+            "tag",
+            "--local=false",
+            &reference,
+            "docker.io/library/xfer-tag:2",
+        ],
+    );
+    assert_eq!(
+        resolves("docker.io/library/xfer-tag:2".into()).await,
+        Some(pulled.config_digest()),
+        "tagged through Transfer: replicated before ctr returned"
+    );
+    c.assert_still_running(pid);
+}

@@ -3,6 +3,7 @@
 
 pub mod breaker;
 pub mod content;
+pub mod introspect;
 pub mod cri;
 pub mod images;
 pub mod leases;

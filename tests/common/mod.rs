@@ -959,6 +959,17 @@ impl Flavor {
         self.semver.0 >= 2
     }
 
+    /// The config version this containerd reads natively (older ones are
+    /// migrated with a warning at every start): 2 for 1.x, 3 for 2.0-2.2,
+    /// 4 from 2.3 (the servers became plugins).
+    pub fn config_version(&self) -> u32 {
+        match self.semver {
+            (1, ..) => 2,
+            (2, 0..=2, _) => 3,
+            _ => 4,
+        }
+    }
+
     /// The Transfer service exists from 1.7.
     pub fn has_transfer(&self) -> bool {
         self.semver >= (1, 7, 0)
@@ -1382,20 +1393,35 @@ fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
     let p = |s: &str| d.join(s).display().to_string();
     let policy = if opts.isolated { "isolated" } else { "shared" };
     let v2 = flavor().is_v2();
-    // 2.x reads a native `version = 3` config (a version 2 one is migrated
-    // with a warning); its CRI is split into images and runtime plugins.
+    // 2.x's CRI is split into images and runtime plugins.
     let cri_plugins = if v2 {
         r#""io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime""#
     } else {
         r#""io.containerd.grpc.v1.cri""#
     };
-    let mut cfg = format!(
-        r#"version = {version}
-root = "{root}"
-state = "{state}"
-disabled_plugins = [{disabled}]
-
-[grpc]
+    // Sockets: top-level sections up to config version 3; from 4 (2.3+)
+    // the servers are plugins like everything else.
+    let (sock, ttrpc) = (p("containerd.sock"), p("containerd.sock.ttrpc"));
+    let version = flavor().config_version();
+    let (servers, server_plugins) = if version >= 4 {
+        (
+            String::new(),
+            format!(
+                r#"  [plugins."io.containerd.server.v1.grpc"]
+    address = "{sock}"
+  [plugins."io.containerd.server.v1.ttrpc"]
+    address = "{ttrpc}"
+  [plugins."io.containerd.server.v1.debug"]
+    address = ""
+  [plugins."io.containerd.server.v1.metrics"]
+    address = ""
+"#
+            ),
+        )
+    } else {
+        (
+            format!(
+                r#"[grpc]
   address = "{sock}"
 
 [ttrpc]
@@ -1403,13 +1429,23 @@ disabled_plugins = [{disabled}]
 
 [debug]
   address = ""
-  level = "info"
 
 [metrics]
   address = ""
+"#
+            ),
+            String::new(),
+        )
+    };
+    let mut cfg = format!(
+        r#"version = {version}
+root = "{root}"
+state = "{state}"
+disabled_plugins = [{disabled}]
 
+{servers}
 [plugins]
-  [plugins."io.containerd.internal.v1.opt"]
+{server_plugins}  [plugins."io.containerd.internal.v1.opt"]
     path = "{opt}"
   [plugins."io.containerd.metadata.v1.bolt"]
     content_sharing_policy = "{policy}"
@@ -1424,11 +1460,8 @@ disabled_plugins = [{disabled}]
     deletion_threshold = 1000000
     mutation_threshold = 1000000
 "#,
-        version = if v2 { 3 } else { 2 },
         root = p("root"),
         state = p("state"),
-        sock = p("containerd.sock"),
-        ttrpc = p("containerd.sock.ttrpc"),
         opt = p("opt"),
         disabled = if opts.cri { "" } else { cri_plugins },
     );
