@@ -691,4 +691,36 @@ mod tests {
         m.file_ok(list, "registry.local/b:1");
         assert!(m.file_errors().is_empty());
     }
+
+    #[test]
+    fn broken_calls_are_counted_and_stopped_ones_listed() {
+        use crate::containerd::breaker::Breaker;
+        let m = std::sync::Arc::new(Metrics::new());
+        let b = Breaker::default();
+        b.observe(m.clone());
+        b.saw_version("v2.4.2");
+        b.broke(
+            "Images.Update docker.io/library/a:1 in k8s.io",
+            "k8s.io",
+            "docker.io/library/a:1",
+        );
+        assert!(m.stopped_calls().is_empty(), "one break only holds it back");
+        b.broke(
+            "Images.Update docker.io/library/a:1 in k8s.io",
+            "k8s.io",
+            "docker.io/library/a:1",
+        );
+        let stopped = m.stopped_calls();
+        assert_eq!(stopped.len(), 1);
+        assert_eq!(stopped[0].containerd, "v2.4.2");
+        let text = m.encode();
+        assert!(
+            text.contains("imgbridge_broken_calls_total{outcome=\"held_back\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("imgbridge_broken_calls_total{outcome=\"stopped\"} 1"),
+            "{text}"
+        );
+    }
 }

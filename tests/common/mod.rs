@@ -1486,7 +1486,11 @@ disabled_plugins = [{disabled}]
             .expect("write hosts.toml");
         }
         cfg.push_str(&format!(
-            r#"  [plugins."io.containerd.grpc.v1.cri"]
+            r#"  # NRI is on by default in 2.x; its socket would be shared by
+  # every containerd of the test process.
+  [plugins."io.containerd.nri.v1.nri"]
+    socket_path = "{nri}"
+  [plugins."io.containerd.grpc.v1.cri"]
     stream_server_address = "127.0.0.1"
     stream_server_port = "0"
   [plugins."io.containerd.cri.v1.images"]
@@ -1510,6 +1514,7 @@ disabled_plugins = [{disabled}]
       conf_dir = "{cni_conf}"
 "#,
             certs = certs.display(),
+            nri = p("nri.sock"),
         ));
         return cfg;
     }
