@@ -81,6 +81,23 @@ async fn assert_cri_pinned(sock: &Path, name: &str, want: bool) {
     );
 }
 
+/// containerd with CRI, imgbridge with `pin = true` (its config file is
+/// returned), and `tag` imported into the source namespace through it.
+fn pinned_replica(tag: &str) -> (Containerd, Imgbridge, PathBuf, std::sync::Arc<TestImage>) {
+    let c = Containerd::start(cri());
+    let dir = tempdir("cfg-").keep();
+    let cfg = config(&dir, "[replication]\npin = true\n");
+    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    let img = TestImage::hello(tag);
+    let archive = img.docker_archive();
+    ctr_ok(
+        p.socket(),
+        SRC,
+        ["images", "import", archive.to_str().unwrap()],
+    );
+    (c, p, cfg, img)
+}
+
 fn delete_req(name: &str) -> tonic::Request<api::DeleteImageRequest> {
     with_ns(
         api::DeleteImageRequest {
@@ -97,19 +114,8 @@ fn delete_req(name: &str) -> tonic::Request<api::DeleteImageRequest> {
 /// containerd. Before the fix, containerd 1.7/2.x died on the first unpin.
 #[tokio::test]
 async fn delete_policy_unpin_through_imgbridge_and_directly_keeps_containerd_up() {
-    let mut c = Containerd::start(cri());
+    let (mut c, p, _cfg, img) = pinned_replica("unpin-proxy:1");
     let pid = c.pid();
-    let dir = tempdir("cfg-");
-    let cfg = config(dir.path(), "[replication]\npin = true\n");
-    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
-
-    let img = TestImage::hello("unpin-proxy:1");
-    let archive = img.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
     let replica = img.normalized();
     assert!(
         is_pinned(c.socket(), &replica).await,
@@ -202,18 +208,8 @@ async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
 /// unpinned, and the restarted containerd stays up through it.
 #[tokio::test]
 async fn catch_up_applies_the_delete_policy_it_missed_across_restarts() {
-    let mut c = Containerd::start(cri());
-    let dir = tempdir("cfg-");
-    let cfg = config(dir.path(), "[replication]\npin = true\n");
+    let (mut c, mut p, cfg, img) = pinned_replica("missed-delete:1");
     let cfg = cfg.to_str().unwrap().to_string();
-    let mut p = Imgbridge::start(c.socket(), &["--config", &cfg]);
-    let img = TestImage::hello("missed-delete:1");
-    let archive = img.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
     let replica = img.normalized();
     let target = image_target(c.socket(), K8S, &replica).await;
     let dref = format!("docker.io/library/missed-delete@{}", target.digest);
