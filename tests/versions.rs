@@ -150,42 +150,95 @@ async fn delete_policy_unpin_through_imgbridge_and_directly_keeps_containerd_up(
     );
 }
 
+/// A watched directory with its own config and state file, and one test
+/// image to drop into it.
+struct Watched {
+    dir: tempfile::TempDir,
+    img: std::sync::Arc<TestImage>,
+}
+
+impl Watched {
+    fn new(tag: &str) -> Watched {
+        let dir = tempdir("watch-");
+        std::fs::create_dir_all(dir.path().join("images")).unwrap();
+        Watched {
+            dir,
+            img: TestImage::hello(tag),
+        }
+    }
+
+    fn file(&self) -> PathBuf {
+        self.dir.path().join("images/image.tar")
+    }
+
+    /// Renamed in, as a finished copy would be.
+    fn drop_in(&self) {
+        let staged = self.dir.path().join("image.tar.part");
+        std::fs::copy(self.img.docker_archive(), &staged).unwrap();
+        std::fs::rename(&staged, self.file()).unwrap();
+    }
+
+    /// `imgbridge serve --watch-dir` (reconcile off: only the importer
+    /// writes), with the same state file every time.
+    fn serve(&self, c: &Containerd) -> Imgbridge {
+        let d = self.dir.path();
+        let cfg = config(
+            d,
+            &format!(
+                "[reconcile]\nenabled = false\n[import]\nstate_file = \"{}\"\ndebounce = \"200ms\"\n",
+                d.join("state.json").display()
+            ),
+        );
+        let watch = d.join("images");
+        Imgbridge::start(
+            c.socket(),
+            &[
+                "--config",
+                cfg.to_str().unwrap(),
+                "--watch-dir",
+                watch.to_str().unwrap(),
+            ],
+        )
+    }
+}
+
+/// A watched file deleted while imgbridge was down, with containerd
+/// restarted as well: the next start still owes the unpin and pays it.
+#[tokio::test]
+async fn watch_dir_unpin_owed_across_restarts_is_paid() {
+    let mut c = Containerd::start(cri());
+    let w = Watched::new("watched-owed:1");
+    let mut p = w.serve(&c);
+    w.drop_in();
+    let name = w.img.normalized();
+    wait_pin(c.socket(), &name, true).await;
+    p.kill9();
+    std::fs::remove_file(w.file()).unwrap();
+    c.kill9();
+    c.restart();
+    let pid = c.pid();
+    assert!(is_pinned(c.socket(), &name).await, "nobody unpinned it yet");
+    let _p = w.serve(&c);
+    wait_pin(c.socket(), &name, false).await;
+    c.assert_still_running(pid);
+}
+
 /// A watched archive: imported and pinned, unpinned when deleted, pinned
 /// again by `imgbridge import` of the same file; containerd stays up.
 #[tokio::test]
 async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
     let mut c = Containerd::start(cri());
     let pid = c.pid();
-    let dir = tempdir("watch-");
-    let watch = dir.path().join("images");
-    std::fs::create_dir_all(&watch).unwrap();
-    let cfg = config(
-        dir.path(),
-        &format!(
-            "[reconcile]\nenabled = false\n[import]\nstate_file = \"{}\"\ndebounce = \"200ms\"\n",
-            dir.path().join("state.json").display()
-        ),
-    );
-    let mut p = Imgbridge::start(
-        c.socket(),
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--watch-dir",
-            watch.to_str().unwrap(),
-        ],
-    );
-    let img = TestImage::hello("watched:1");
-    let file = watch.join("watched.tar");
-    let staged = dir.path().join("watched.tar.part");
-    std::fs::copy(img.docker_archive(), &staged).unwrap();
-    std::fs::rename(&staged, &file).unwrap();
-    let name = img.normalized();
+    let w = Watched::new("watched:1");
+    let mut p = w.serve(&c);
+    w.drop_in();
+    let name = w.img.normalized();
     wait_pin(c.socket(), &name, true).await;
-    std::fs::remove_file(&file).unwrap();
+    std::fs::remove_file(w.file()).unwrap();
     wait_pin(c.socket(), &name, false).await;
     c.assert_still_running(pid);
     p.kill9();
+    let img = &w.img;
 
     // The one-shot CLI pins what it imports.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"))
