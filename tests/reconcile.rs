@@ -4,18 +4,16 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
 use containerd_client::services::v1 as api;
 use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::types::Descriptor;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use prost::Message;
 
 const SRC: &str = "buildkit";
@@ -281,61 +279,15 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
 /// frames, and relays everything else to the real containerd. On 1.7 and
 /// 2.x the tests use the real Transfer service instead; this front exists
 /// only for what 1.6 cannot produce.
-async fn fake_2x(real: PathBuf, listen: PathBuf) -> tokio::task::JoinHandle<()> {
-    let listener = tokio::net::UnixListener::bind(&listen).unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = listener.accept().await else {
-                return;
-            };
-            let real = real.clone();
-            tokio::spawn(async move {
-                let svc =
-                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let real = real.clone();
-                        async move { Ok::<_, Infallible>(fake_handle(real, req).await) }
-                    });
-                let _ =
-                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                        .await;
-            });
-        }
-    })
+fn fake_2x(real: PathBuf, listen: &Path) -> front::Front {
+    let mut f = front::Front::default();
+    f.serve(listen, move |req| fake_handle(real.clone(), req));
+    f
 }
 
-type FakeBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
-
-fn grpc_reply(msg: &[u8], status: i32, message: &str) -> http::Response<FakeBody> {
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    framed.extend_from_slice(msg);
-    let mut trailers = http::HeaderMap::new();
-    trailers.insert("grpc-status", status.into());
-    if !message.is_empty() {
-        trailers.insert("grpc-message", message.parse().unwrap());
-    }
-    let body = Full::new(Bytes::from(if status == 0 { framed } else { Vec::new() }))
-        .map_err(|never| match never {})
-        .with_trailers(async move { Some(Ok(trailers)) })
-        .boxed();
-    http::Response::builder()
-        .header("content-type", "application/grpc")
-        .body(body)
-        .unwrap()
-}
-
-async fn fake_handle(
-    real: PathBuf,
-    req: http::Request<hyper::body::Incoming>,
-) -> http::Response<FakeBody> {
+async fn fake_handle(real: PathBuf, req: front::Request) -> front::Response {
     let path = req.uri().path().to_string();
-    let ns = req
-        .headers()
-        .get("containerd-namespace")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
+    let ns = front::namespace(&req);
     if path == "/containerd.services.transfer.v1.Transfer/Transfer" {
         let body = req.into_body().collect().await.unwrap().to_bytes();
         let treq = api::TransferRequest::decode(&body[5..]).unwrap();
@@ -346,7 +298,7 @@ async fn fake_handle(
         };
         let (src, dst) = (store(&treq.source), store(&treq.destination));
         let Some(from) = get_image(&real, &ns, &src.name).await else {
-            return grpc_reply(&[], 5, &format!("image \"{}\": not found", src.name));
+            return front::grpc_reply(&[], 5, &format!("image \"{}\": not found", src.name));
         };
         let image = api::Image {
             name: dst.name.clone(),
@@ -376,7 +328,7 @@ async fn fake_handle(
             .await
             .unwrap();
         }
-        return grpc_reply(&[], 0, "");
+        return front::grpc_reply(&[], 0, "");
     }
     if path == "/containerd.services.streaming.v1.Streaming/Stream" {
         // Echo: bidi frames come back as they were sent.
@@ -393,15 +345,7 @@ async fn fake_handle(
             )
             .unwrap();
     }
-    // Relay to the real containerd.
-    let mut send = h2_connect(&real).await;
-    let (mut parts, body) = req.into_parts();
-    parts.uri = format!("http://localhost{path}").parse().unwrap();
-    let resp = send
-        .send_request(http::Request::from_parts(parts, body))
-        .await
-        .unwrap();
-    resp.map(|b| b.boxed())
+    front::relay(&real, req).await
 }
 
 #[tokio::test]
@@ -419,7 +363,7 @@ async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
         c.socket().to_path_buf()
     } else {
         let fake_sock = dir.path().join("containerd2.sock");
-        _fake = Some(fake_2x(c.socket().to_path_buf(), fake_sock.clone()).await);
+        _fake = Some(fake_2x(c.socket().to_path_buf(), &fake_sock));
         fake_sock
     };
     // Reconcile off: only the Transfer hook can replicate the tag.

@@ -36,6 +36,8 @@
 
 #![allow(dead_code)]
 
+pub mod front;
+
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::{self, File};
@@ -508,7 +510,7 @@ fn run_ok(cmd: Command) -> Output {
     out
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -517,6 +519,19 @@ fn free_port() -> u16 {
 
 /// Minimal HTTP/1.1 GET on `addr` (host:port); returns the status code.
 pub fn http_status(addr: &str, path: &str) -> Option<u16> {
+    let head = http_request(addr, path, 64)?;
+    head.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `GET path` on `addr`: the whole response body (up to 1 MiB).
+pub fn http_get(addr: &str, path: &str) -> Option<String> {
+    let r = http_request(addr, path, 1 << 20)?;
+    r.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+/// One HTTP/1.1 request with `Connection: close`; the first `limit` bytes
+/// of the response (the status line, at least).
+fn http_request(addr: &str, path: &str, limit: usize) -> Option<String> {
     let sa = addr.parse().ok()?;
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(1)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
@@ -526,22 +541,22 @@ pub fn http_status(addr: &str, path: &str) -> Option<u16> {
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
-    let mut buf = [0u8; 64];
+    let mut buf = vec![0u8; limit];
     let mut n = 0;
     while n < buf.len() {
         match s.read(&mut buf[n..]) {
             Ok(0) => break,
             Ok(k) => {
                 n += k;
-                if buf[..n].contains(&b'\n') {
+                // The status line is all a status check needs.
+                if limit <= 64 && buf[..n].contains(&b'\n') {
                     break;
                 }
             }
             Err(_) => break,
         }
     }
-    let line = String::from_utf8_lossy(&buf[..n]);
-    line.split_whitespace().nth(1)?.parse().ok()
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
 /// Runs `fut` to completion on a fresh current-thread runtime in a helper
