@@ -32,6 +32,11 @@ pub struct Listeners {
 }
 
 /// Serves `listener` with the behaviour `config` describes until `shutdown`.
+///
+/// Shutdown order: when `shutdown` resolves, both listeners stop accepting
+/// at once and the ttrpc relay closes its connections (shims reconnect);
+/// the gRPC calls in flight drain (see [`proxy::serve`]) with replication
+/// still running for the calls it holds; then the background tasks stop.
 pub async fn serve(
     listener: UnixListener,
     extra: Listeners,
@@ -39,6 +44,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     config.validate()?;
+    // Fired the moment shutdown starts; `stop` only once the drain is over.
+    let closing = CancellationToken::new();
+    let shutdown = {
+        let closing = closing.clone();
+        async move {
+            shutdown.await;
+            closing.cancel();
+        }
+    };
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     // Metrics, readiness and /status; hand `ops.metrics` / `ops.readiness` to
@@ -50,7 +64,7 @@ pub async fn serve(
     }
     if let Some(l) = extra.ttrpc {
         let up = ttrpc_path(&config.upstream);
-        tasks.push(tokio::spawn(proxy::raw::relay(l, up, stop.clone())));
+        tasks.push(tokio::spawn(proxy::raw::relay(l, up, closing.clone())));
     }
     // One client for everything imgbridge writes itself, so a write that
     // broke containerd's connection is held back whoever retries it.
@@ -81,6 +95,7 @@ pub async fn serve(
     pc.observer = Some(ops.metrics.clone());
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));
     let result = proxy::serve(listener, pc, hooks, shutdown).await;
+    closing.cancel(); // if serve failed instead
     stop.cancel();
     for t in tasks {
         let _ = t.await;

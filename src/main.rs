@@ -323,7 +323,16 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 (l, ttrpc)
             }
         };
-        let shutdown = shutdown_signal();
+        // On the signal, the socket files go first: a new instance can bind
+        // them at once while this one drains. (They are dropped with the
+        // future, before the listeners close, however `serve` ends.)
+        let shutdown = {
+            let signal = shutdown_signal();
+            async move {
+                signal.await;
+                drop(files);
+            }
+        };
         let bound = l
             .local_addr()
             .ok()
@@ -337,7 +346,6 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             shutdown,
         )
         .await;
-        drop(files);
         tracing::info!("imgbridge stopped");
         res.map_err(anyhow::Error::from)
     })

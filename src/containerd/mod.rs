@@ -3,9 +3,9 @@
 
 pub mod breaker;
 pub mod content;
-pub mod introspect;
 pub mod cri;
 pub mod images;
+pub mod introspect;
 pub mod leases;
 
 use std::path::{Path, PathBuf};

@@ -82,18 +82,39 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
 
 /// The file of a socket this process bound, removed when dropped: every way
 /// out of `serve`, a later bind failing included, leaves no file behind.
-pub struct SocketFile(PathBuf);
+///
+/// Dropped as soon as shutdown starts, so that the next instance can bind
+/// the path while this one drains. It removes only the file it bound: once
+/// the path names another socket (the next instance's), it is left alone.
+/// Drop it while the listener is still open: a bound socket keeps its inode
+/// from being reused, which is what makes the comparison exact.
+pub struct SocketFile {
+    path: PathBuf,
+    /// Device and inode of the bound socket file.
+    id: Option<(u64, u64)>,
+}
 
 impl SocketFile {
     /// Takes charge of `path`, which this process has just bound.
     pub fn new(path: &Path) -> SocketFile {
-        SocketFile(path.to_path_buf())
+        SocketFile {
+            path: path.to_path_buf(),
+            id: file_id(path),
+        }
     }
+}
+
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path).ok()?;
+    Some((m.dev(), m.ino()))
 }
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if self.id.is_some() && file_id(&self.path) == self.id {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -139,5 +160,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o600);
+    }
+
+    #[tokio::test]
+    async fn socket_file_removes_only_the_socket_it_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.sock");
+        let _l = bind(&p, SocketPerms::default()).unwrap();
+        let mine = SocketFile::new(&p);
+        drop(mine);
+        assert!(!p.exists(), "its own file is removed");
+
+        let old = bind(&p, SocketPerms::default()).unwrap();
+        let old_file = SocketFile::new(&p);
+        // The next instance took the path over (the file was replaced).
+        std::fs::remove_file(&p).unwrap();
+        let _new = bind(&p, SocketPerms::default()).unwrap();
+        drop(old_file);
+        drop(old);
+        assert!(p.exists(), "the next instance's socket stays");
     }
 }

@@ -75,7 +75,10 @@ pub enum ProxyError {
 }
 
 /// Serves gRPC on `listener` until `shutdown` resolves, then stops accepting
-/// and lets in-flight calls finish for up to `drain_timeout`.
+/// (the listener is closed at once) and drains: every client is sent GOAWAY,
+/// open-ended calls (event subscriptions) are ended with UNAVAILABLE right
+/// away, and the other calls in flight, held ones included, may finish for
+/// up to `drain_timeout` (the rule: [`splice::OPEN_ENDED`]).
 pub async fn serve(
     listener: UnixListener,
     config: ProxyConfig,
@@ -155,14 +158,15 @@ pub async fn serve(
         }));
     }
     drop(listener);
-    tracing::info!("shutting down: draining in-flight calls");
+    tracing::info!("shutting down: stopped accepting; draining in-flight calls");
+    let started = tokio::time::Instant::now();
     drain.cancel();
     tracker.close();
-    if tokio::time::timeout(config.drain_timeout, tracker.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls still running at drain timeout; closing them");
+    match tokio::time::timeout(config.drain_timeout, tracker.wait()).await {
+        Ok(()) => tracing::info!(took = ?started.elapsed(), "drained"),
+        Err(_) => {
+            tracing::warn!(timeout = ?config.drain_timeout, "in-flight calls still running at drain timeout; closing them")
+        }
     }
     shards.stop().await;
     Ok(())

@@ -7,7 +7,7 @@
 //! costs (a full HTTP/2 server plus client per hop cost +80 µs a call, and a
 //! quarter of read throughput: see README, Performance). The splice reads
 //! frame headers and HPACK-decodes header blocks to learn each call's method,
-//! namespace and status; it changes only two things:
+//! namespace and status; it changes only these things:
 //! - frames of intercepted calls are held (see [`super::intercept`]), and
 //!   flow-control credit taken by frames that are dropped is given back;
 //! - header blocks it holds or drops are sent later re-encoded without the
@@ -15,7 +15,9 @@
 //!   blocks. Every other block goes out as containerd encoded it, which keeps
 //!   the client's HPACK table a mirror of containerd's encoder. Should a held
 //!   or dropped block have changed containerd's table, the mirror is broken
-//!   for good: from then on every containerd block is re-encoded that way.
+//!   for good: from then on every containerd block is re-encoded that way;
+//! - on shutdown it sends GOAWAY, refuses calls opened after it, and ends the
+//!   calls that never end on their own with UNAVAILABLE ([`OPEN_ENDED`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -126,6 +128,7 @@ pub async fn run(
         down: Pump::new(Side::Containerd),
         st: State::new(ctx),
         drain: Some(Drain::new(drain)),
+        ending: false,
         grace: None,
         linger: None,
     };
@@ -141,10 +144,50 @@ struct Splice {
     down: Pump,
     st: State,
     drain: Option<Drain>,
+    /// The drain has started and the open-ended calls are still to be ended
+    /// (at the next point where no reply header block is half read).
+    ending: bool,
     /// Runs once containerd is lost: how long the client gets to hang up.
     grace: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Set once a drain has answered every call and our side is closed.
     linger: Option<Linger>,
+}
+
+/// Calls that never end on their own: the client has sent its whole
+/// request and waits for a stream of replies that lasts until it hangs up
+/// (subscriptions to containerd's events, CRI's container events, health
+/// watches).
+///
+/// How a drain treats the calls in flight, once GOAWAY told the client to
+/// open no more:
+/// - a call on this list is ended at once: RST_STREAM(CANCEL) to containerd,
+///   and to the client UNAVAILABLE ([`RESTARTING`]; Trailers-Only, or
+///   trailers after the replies it already has), its later frames dropped.
+///   Waiting could only run into the drain timeout, and its clients (`ctr
+///   events`, kubelet, buildkit) subscribe again on UNAVAILABLE, meeting the
+///   next instance;
+/// - every other call is let finish (the drain timeout bounds them all):
+///   unary calls, those a hook holds (a replication in progress), transfers
+///   such as `Content.Read` or `Content.Write`, even when they look idle (a
+///   `Diff.Apply` or a writer waiting for its registry sends nothing for
+///   seconds), and `Tasks.Wait`, which ends when its process does and whose
+///   callers do not retry it. `Streaming.Stream` (containerd 2) serves a
+///   `Transfer` call in flight and ends with it.
+///
+/// The list is matched once per call when it opens (a length compare for
+/// nearly every method); the drain itself costs nothing per frame.
+pub const OPEN_ENDED: [&str; 3] = [
+    "/containerd.services.events.v1.Events/Subscribe",
+    "/runtime.v1.RuntimeService/GetContainerEvents",
+    "/grpc.health.v1.Health/Watch",
+];
+
+/// What the client of an open-ended call is told when a drain ends it.
+pub const RESTARTING: &str =
+    "imgbridge is restarting: this stream was ended; call again to continue";
+
+fn open_ended(method: &str) -> bool {
+    OPEN_ENDED.contains(&method)
 }
 
 /// After containerd went away: how long a client that received GOAWAY may
@@ -294,6 +337,20 @@ impl Splice {
         Ok(())
     }
 
+    /// Ends the open-ended calls in flight ([`OPEN_ENDED`]).
+    fn end_open_ended(&mut self) -> Result<(), SpliceError> {
+        if self.st.lost {
+            return Ok(()); // all answered already
+        }
+        // Which calls have had a reply: the reply blocks written but not yet
+        // read count too.
+        self.st.open_calls();
+        self.down.settle(&mut self.st)?;
+        self.st
+            .end_open_ended(&mut self.up.inject, &mut self.down.inject);
+        Ok(())
+    }
+
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
         if let Some(d) = self.drain.as_mut() {
             if d.fired(cx) {
@@ -301,9 +358,16 @@ impl Splice {
                 // Calls up to here finish; later ones are refused (see `open`).
                 self.st.goaway = Some(self.st.last_stream);
                 (self.down.inject).push_back(frames::goaway(self.st.last_stream, frames::NO_ERROR));
+                self.ending = true;
             }
         }
         loop {
+            if self.ending && self.down.block.is_none() {
+                // A reply block that is half read may be the first reply of
+                // a call to end, which decides how it ends: wait for its end.
+                self.ending = false;
+                self.end_open_ended()?;
+            }
             if let Some(linger) = self.linger.as_mut() {
                 // Our side is closed; the client's frames go nowhere.
                 if self.up.discard(cx, &self.client).is_ready()
@@ -371,8 +435,9 @@ impl Splice {
                 continue;
             }
             // Go round again only for work queued after its pump was polled.
-            let again =
-                self.up.inject.len() > queued_up || std::mem::take(&mut self.st.hooks_added);
+            let again = self.up.inject.len() > queued_up
+                || std::mem::take(&mut self.st.hooks_added)
+                || (self.ending && self.down.block.is_none());
             if !again {
                 return Poll::Pending;
             }
@@ -858,8 +923,13 @@ impl<T> Repeat<T> {
 struct Call {
     guard: Option<CallGuard>,
     held: Option<Box<Held>>,
-    /// Opened after GOAWAY: reset on both sides, its frames dropped.
+    /// Opened after GOAWAY, or ended by a drain: reset at containerd and
+    /// answered to the client, its later frames dropped.
     refused: bool,
+    /// On the [`OPEN_ENDED`] list.
+    open_ended: bool,
+    /// A reply header block went to the client.
+    replied: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1009,6 +1079,27 @@ impl State {
         }
     }
 
+    /// Ends every open-ended call that is neither answered nor held: reset
+    /// at containerd, UNAVAILABLE to the client (see [`OPEN_ENDED`]).
+    fn end_open_ended(&mut self, up: &mut VecDeque<Bytes>, down: &mut VecDeque<Bytes>) {
+        for (&stream, call) in self.calls.iter_mut() {
+            if !call.open_ended || call.refused || call.held.is_some() {
+                continue;
+            }
+            call.refused = true;
+            up.push_back(frames::rst_stream(stream, frames::CANCEL));
+            let code = tonic::Code::Unavailable;
+            down.push_back(match call.replied {
+                true => error_trailers(stream, code, RESTARTING),
+                false => error_reply(stream, code, RESTARTING),
+            });
+            if let Some(mut g) = call.guard.take() {
+                g.set_status(Some(code as i32));
+                self.ended.push(g);
+            }
+        }
+    }
+
     fn awaiting_hooks(&self) -> bool {
         (self.calls.values()).any(|c| c.held.as_ref().is_some_and(|h| h.response_done))
     }
@@ -1074,6 +1165,11 @@ impl State {
                     return Err(malformed(from, "RST_STREAM is not 4 bytes"));
                 }
                 let call = self.calls.get_mut(&head.stream);
+                if from == Side::Containerd && call.as_ref().is_some_and(|c| c.refused) {
+                    // The client has its answer for this stream already.
+                    self.calls.remove(&head.stream);
+                    return Ok(Verdict::Swallow);
+                }
                 if let Some(held) = call.and_then(|c| c.held.as_mut()) {
                     if from == Side::Containerd && held.response_done {
                         // grpc-go resets (NO_ERROR) a stream it has answered
@@ -1106,11 +1202,14 @@ impl State {
 
     /// Starts tracking call `stream`: its metrics, and its hook if held.
     fn open(&mut self, stream: u32, method: Arc<str>, held: Option<Box<Held>>) {
+        let open_ended = open_ended(&method);
         let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), method));
         let call = Call {
             guard,
             held,
             refused: false,
+            open_ended,
+            replied: false,
         };
         self.calls.insert(stream, call);
     }
@@ -1177,6 +1276,7 @@ impl State {
 
     fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
         if let Some(c) = self.calls.get_mut(&stream) {
+            c.replied = true;
             if let Some(g) = c.guard.as_mut() {
                 g.set_status(status);
             }
@@ -1244,6 +1344,8 @@ impl State {
                 guard: None,
                 held: None,
                 refused: true,
+                open_ended: false,
+                replied: false,
             };
             self.calls.insert(stream, call);
             return Ok(());
@@ -1620,6 +1722,19 @@ fn encode(out: &mut BytesMut, fields: &[(Bytes, Bytes)]) {
 
 fn hpack_error(side: Side, e: super::hpack::HpackError) -> SpliceError {
     SpliceError::Hpack(side, e.to_string())
+}
+
+/// Trailers with a gRPC error status on `stream`, ending a call whose reply
+/// headers (and maybe messages) the client has already had.
+fn error_trailers(stream: u32, code: tonic::Code, message: &str) -> Bytes {
+    let code = (code as i32).to_string();
+    let message = grpc::encode_message(message);
+    let mut out = BytesMut::new();
+    frames::header_frames(stream, true, &mut out, |b| {
+        frames::encode_field(b, b"grpc-status", code.as_bytes());
+        frames::encode_field(b, b"grpc-message", message.as_bytes());
+    });
+    out.freeze()
 }
 
 /// A Trailers-Only gRPC error reply on `stream`.
@@ -2103,6 +2218,172 @@ mod tests {
             "closed after {took:?} while the client still had a reply to read"
         );
         drop(client);
+    }
+
+    const SUBSCRIBE: &str = "/containerd.services.events.v1.Events/Subscribe";
+
+    /// The fields of a header block written without the dynamic table.
+    fn fields(block: &[u8]) -> Vec<(String, String)> {
+        let f = loona_hpack::Decoder::new().decode(block).unwrap();
+        f.into_iter()
+            .map(|(n, v)| {
+                let v = String::from_utf8_lossy(&v).into_owned();
+                (String::from_utf8_lossy(&n).into_owned(), v)
+            })
+            .collect()
+    }
+
+    fn has(f: &[(String, String)], n: &str, v: &str) -> bool {
+        f.iter().any(|(a, b)| a == n && b == v)
+    }
+
+    /// A subscription with no reply yet is answered Trailers-Only
+    /// UNAVAILABLE and reset at containerd the moment the drain starts;
+    /// an event containerd sent meanwhile is dropped (its credit given
+    /// back), while a plain call in flight still gets its reply.
+    #[tokio::test]
+    async fn drain_ends_a_waiting_subscription_at_once_and_lets_other_calls_finish() {
+        let drain = CancellationToken::new();
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_with(rules, drain.clone());
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, SUBSCRIBE));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        sent.extend(request(3, "/t.S/Plain"));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 3, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+
+        drain.cancel();
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frames::GOAWAY);
+        assert_eq!(&p[..4], &3u32.to_be_bytes(), "both calls were accepted");
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 1));
+        assert!(h.has(frames::END_STREAM));
+        let f = fields(&p);
+        assert!(
+            has(&f, ":status", "200") && has(&f, "grpc-status", "14"),
+            "{f:?}"
+        );
+        let msg = f.iter().find(|(n, _)| n == "grpc-message").unwrap();
+        assert!(msg.1.contains("restarting"), "{msg:?}");
+        let (h, p) = read_frame(&mut server).await;
+        assert_eq!(
+            (h.kind, h.stream, &p[..]),
+            (frames::RST_STREAM, 1, &frames::CANCEL.to_be_bytes()[..])
+        );
+
+        // An event that crossed the reset, then the plain call's reply.
+        let mut late = frame(
+            frames::HEADERS,
+            frames::END_HEADERS,
+            1,
+            &block(&[(":status", "200")]),
+        );
+        late.extend(frame(frames::DATA, 0, 1, &MSG));
+        late.extend(ok_reply(3));
+        server.write_all(&late).await.unwrap();
+        let (h, p) = read_frame(&mut server).await;
+        assert_eq!((h.kind, h.stream), (frames::WINDOW_UPDATE, 0));
+        assert_eq!(p, 5u32.to_be_bytes(), "the dropped event's credit");
+        for kind in [frames::HEADERS, frames::DATA, frames::HEADERS] {
+            let (h, _) = read_frame(&mut client).await;
+            assert_eq!((h.kind, h.stream), (kind, 3), "nothing more on stream 1");
+        }
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+        drop(client);
+        tokio::time::timeout(DRAIN_LINGER, task)
+            .await
+            .expect("splice ends after the last call")
+            .unwrap()
+            .unwrap();
+    }
+
+    /// A subscription that has had replies ends with trailers (no second
+    /// `:status`), and the drained connection closes right after.
+    #[tokio::test]
+    async fn drain_ends_a_streaming_subscription_with_trailers() {
+        let drain = CancellationToken::new();
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_with(rules, drain.clone());
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, SUBSCRIBE));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let mut event = frame(
+            frames::HEADERS,
+            frames::END_HEADERS,
+            1,
+            &block(&[(":status", "200"), ("content-type", "application/grpc")]),
+        );
+        event.extend(frame(frames::DATA, 0, 1, &MSG));
+        server.write_all(&event).await.unwrap();
+        let mut got = vec![0; event.len()];
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, event);
+
+        drain.cancel();
+        let (h, _) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frames::GOAWAY);
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 1));
+        assert!(h.has(frames::END_STREAM));
+        let f = fields(&p);
+        assert!(has(&f, "grpc-status", "14"), "{f:?}");
+        assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
+        let (h, _) = read_frame(&mut server).await;
+        assert_eq!((h.kind, h.stream), (frames::RST_STREAM, 1));
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+        tokio::time::timeout(DRAIN_LINGER, task)
+            .await
+            .expect("splice ends without waiting for the subscription")
+            .unwrap()
+            .unwrap();
+    }
+
+    /// The drain starts while the first reply block of a subscription is
+    /// half read: it is ended once the block is through, with trailers.
+    #[tokio::test]
+    async fn drain_during_a_split_reply_block_ends_the_subscription_after_it() {
+        let drain = CancellationToken::new();
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_with(rules, drain.clone());
+        let mut sent = frames::PREFACE.to_vec();
+        sent.extend(request(1, SUBSCRIBE));
+        sent.extend(frame(frames::DATA, frames::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let b = block(&[(":status", "200"), ("content-type", "application/grpc")]);
+        let (first, second) = b.split_at(3);
+        let head = frame(frames::HEADERS, 0, 1, first);
+        server.write_all(&head).await.unwrap();
+        let mut got = vec![0; head.len()];
+        client.read_exact(&mut got).await.unwrap();
+
+        drain.cancel();
+        // Only once the block is whole: GOAWAY, then trailers.
+        let cont = frame(frames::CONTINUATION, frames::END_HEADERS, 1, second);
+        server.write_all(&cont).await.unwrap();
+        let (h, _) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frames::CONTINUATION);
+        let (h, _) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frames::GOAWAY);
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!((h.kind, h.stream), (frames::HEADERS, 1));
+        let f = fields(&p);
+        assert!(has(&f, "grpc-status", "14"), "{f:?}");
+        assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
+        let (h, _) = read_frame(&mut server).await;
+        assert_eq!((h.kind, h.stream), (frames::RST_STREAM, 1));
+        drop(client);
+        tokio::time::timeout(DRAIN_LINGER, task)
+            .await
+            .expect("splice ends")
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]
