@@ -9,13 +9,18 @@
 #       `containerd --version` prints as revision for 1.6/1.7; sid's 2.1 build
 #       only prints "2.1.9+unknown"), else containerd's own (v2.4.2).
 #   scripts/containerd-matrix.sh versions
-#       stdout: "<module> <version>" for each peer pinned in tests/peers/go.mod
+#       stdout: "<module> <version>" for every Go peer pinned under tests/peers/
+#       (containerd, buildkit, nerdctl, crictl; scripts/peers.sh builds the
+#       clients)
+#   scripts/containerd-matrix.sh verify
+#       checks that the 2.4 build uses containerd's own dependency versions
+#       (needs network; see gobuild_verify in scripts/lib/gobuild.sh)
 #
 # Labels:
 #   1.6  Debian package installed on this machine (bookworm), via symlinks
 #   1.7  Debian trixie's containerd package
 #   2.1  Debian sid's containerd package
-#   2.4  built from the Go module pinned in tests/peers/go.mod
+#   2.4  built from the Go module pinned in tests/peers/containerd/go.mod
 #
 # Environment:
 #   IMGBRIDGE_CACHE            cache root (default /var/cache/imgbridge-test)
@@ -30,7 +35,6 @@
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-peers_dir="$repo_root/tests/peers"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 ctd_cache="$cache_root/containerd"
 all_labels=(1.6 1.7 2.1 2.4)
@@ -41,20 +45,9 @@ containerd_module=github.com/containerd/containerd/v2
 log() { echo "containerd-matrix: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-# Temp dirs live inside the cache (same filesystem) so a finished dir can be
-# renamed into place atomically: a dir under $ctd_cache/<version> is complete.
-tmp_dirs=()
-cleanup() { if ((${#tmp_dirs[@]})); then rm -rf "${tmp_dirs[@]}"; fi; }
-new_tmp() { # → path of a fresh temp dir in $ctd_cache (set as $tmp)
-    tmp="$(mktemp -d "$ctd_cache/.tmp.XXXXXX")"
-    tmp_dirs+=("$tmp")
-}
-install_dir() { # tmpdir finaldir: rename, or keep a dir a concurrent run made
-    if ! mv -T "$1" "$2" 2>/dev/null; then
-        [[ -x "$2/bin/containerd" ]] || die "cannot move $1 to $2"
-        rm -rf "$1"
-    fi
-}
+# Go peer pins and builds, temp dirs renamed into the cache when complete.
+# shellcheck source=scripts/lib/gobuild.sh
+. "$repo_root/scripts/lib/gobuild.sh"
 
 # Runs the three binaries; fails unless `containerd --version` reports
 # $2 (an upstream version prefix). Prints that version field.
@@ -203,7 +196,7 @@ fetch_debian() { # label suite
     upstream="${ver#*:}" && upstream="${upstream%%[~+-]*}"
     if [[ ! -x "$dir/bin/containerd" ]]; then
         log "downloading containerd=$ver from Debian $suite"
-        new_tmp
+        gobuild_new_tmp "$ctd_cache"
         # apt's download sandbox runs as _apt, which must be able to write here.
         if id _apt >/dev/null 2>&1; then chown _apt "$tmp"; fi
         (cd "$tmp" && apt-get "${apt[@]}" -q download "containerd=$ver" >&2) ||
@@ -221,7 +214,7 @@ fetch_debian() { # label suite
         rm -rf "$tmp/root" "${deb[@]}"
         check_bindir "$label" "$tmp/bin" "$upstream" >/dev/null
         chmod 755 "$tmp"
-        install_dir "$tmp" "$dir"
+        gobuild_install "$tmp" "$dir" containerd
     fi
     printf '%s\n' "$ver" >"$ptr.tmp.$$" && mv -f "$ptr.tmp.$$" "$ptr"
     check_bindir "$label" "$dir/bin" "$upstream" >/dev/null
@@ -230,101 +223,48 @@ fetch_debian() { # label suite
 
 # ------------------------------------------------------------------- 2.4 Go
 
-# "<module> <version>" for each module in tests/peers/go.mod that provides a
-# tool directive. Parses go.mod itself so it needs neither network nor a
-# module cache.
-gomod_pins() {
-    awk '
-        $1 ~ /^\/\// || NF == 0 { next }
-        /^\)/                   { blk = ""; next }
-        /^(tool|require) \(/    { blk = $1; next }
-        $1 == "tool"            { tools[++nt] = $2; next }
-        $1 == "require"         { req[$2] = $3; next }
-        blk == "tool"           { tools[++nt] = $1 }
-        blk == "require"        { req[$1] = $2 }
-        END {
-            for (i = 1; i <= nt; i++) {
-                best = ""
-                for (m in req)
-                    if ((tools[i] == m || index(tools[i], m "/") == 1) &&
-                        length(m) > length(best)) best = m
-                if (best != "" && !(best in seen)) {
-                    seen[best] = 1; print best, req[best]
-                }
-            }
-        }' "$peers_dir/go.mod"
-}
-
-gomod_version() { # module → pinned version
-    gomod_pins | awk -v m="$1" '$1 == m { print $2 }'
-}
-
-find_go() {
-    if command -v go >/dev/null 2>&1; then
-        command -v go
-    elif [[ -x /usr/local/go/bin/go ]]; then
-        echo /usr/local/go/bin/go
-    else
-        return 1
-    fi
-}
-
-fetch_go_containerd() { # label
-    local label="$1" go ver cc cgo key dir ldflags
-    go="$(find_go)" || die "label $label: go not found (needed to build containerd)"
-    ver="$(gomod_version "$containerd_module")"
-    [[ -n "$ver" ]] || die "label $label: $containerd_module not pinned in $peers_dir/go.mod"
-    [[ "$ver" == "v$label."* ]] ||
-        die "label $label: tests/peers/go.mod pins $containerd_module $ver (not v$label.x)"
-
-    # Flags follow containerd's Makefile (+ Makefile.linux) for a release
-    # build: version stamped via ldflags (Revision stays empty: the module
-    # proxy carries no commit id), -s -w, tag urfave_cli_no_docs, and
-    # -buildmode=pie with cgo for containerd/ctr (cgo brings in the btrfs
-    # snapshotter; it needs only linux/btrfs.h from linux-libc-dev). The shim
-    # is built as upstream does: CGO_ENABLED=0 (static) with tag no_grpc.
-    # Without a C compiler we fall back to CGO_ENABLED=0 (no btrfs snapshotter,
-    # which the tests do not use).
+# Sets the array $units (see scripts/lib/gobuild.sh) for containerd $1.
+# Flags follow containerd's Makefile (+ Makefile.linux) for a release build:
+# version stamped via ldflags (Revision stays empty: the module proxy carries
+# no commit id), -s -w, tag urfave_cli_no_docs, and -buildmode=pie with cgo
+# for containerd/ctr (cgo brings in the btrfs snapshotter; it needs only
+# linux/btrfs.h from linux-libc-dev). The shim is built as upstream does:
+# CGO_ENABLED=0 (static) with tag no_grpc. Without a C compiler we fall back
+# to CGO_ENABLED=0 (no btrfs snapshotter, which the tests do not use).
+containerd_units() { # version go
+    local ver="$1" go="$2" cc cgo ldflags
     cc="$("$go" env CC)"
     if command -v "${cc%% *}" >/dev/null 2>&1; then cgo=1; else
         cgo=0
-        log "label $label: no C compiler ($cc); building containerd/ctr with CGO_ENABLED=0"
+        log "no C compiler ($cc); building containerd/ctr with CGO_ENABLED=0"
     fi
     ldflags="-X $containerd_module/version.Version=$ver -X $containerd_module/version.Package=$containerd_module -s -w"
-    local -a main_flags=(-mod=readonly -buildmode=pie -tags urfave_cli_no_docs -ldflags "$ldflags")
-    local -a shim_flags=(-mod=readonly -tags "urfave_cli_no_docs no_grpc" -ldflags "$ldflags")
+    units=(
+        "$cgo|urfave_cli_no_docs|$ldflags|-buildmode=pie|$containerd_module/cmd/containerd $containerd_module/cmd/ctr"
+        "0|urfave_cli_no_docs no_grpc|$ldflags||$containerd_module/cmd/containerd-shim-runc-v2"
+    )
+}
 
-    # Cache key: anything that changes the binaries (pins, go.sum, toolchain,
-    # flags) gives a new dir, so a change rebuilds and the old dir stays valid.
-    key="$( {
-        cat "$peers_dir/go.mod" "$peers_dir/go.sum"
-        "$go" env GOVERSION GOARCH
-        echo "cgo=$cgo ${main_flags[*]} / ${shim_flags[*]}"
-    } | sha256sum | cut -c1-12)"
-    dir="$ctd_cache/$ver-$key"
-
-    if [[ ! -x "$dir/bin/containerd" ]]; then
-        log "building containerd $ver with $("$go" env GOVERSION) into $dir (first time: downloads modules, takes minutes)"
-        new_tmp
-        # GOWORK=off: never let a go.work above the repo change the build list.
-        (cd "$peers_dir" && GOWORK=off CGO_ENABLED=$cgo "$go" build "${main_flags[@]}" \
-            -o "$tmp/bin/" "$containerd_module/cmd/containerd" "$containerd_module/cmd/ctr" >&2) ||
-            die "label $label: go build of containerd/ctr $ver failed"
-        (cd "$peers_dir" && GOWORK=off CGO_ENABLED=0 "$go" build "${shim_flags[@]}" \
-            -o "$tmp/bin/" "$containerd_module/cmd/containerd-shim-runc-v2" >&2) ||
-            die "label $label: go build of containerd-shim-runc-v2 $ver failed"
-        check_bindir "$label" "$tmp/bin" "$ver" >/dev/null
-        chmod 755 "$tmp"
-        install_dir "$tmp" "$dir"
-    fi
-    ver="$(check_bindir "$label" "$dir/bin" "$ver")"
-    echo "$label $ver $dir/bin"
+fetch_go_containerd() { # label
+    local label="$1" go ver
+    local -a units
+    go="$(gobuild_find_go)" || die "label $label: go not found (needed to build containerd)"
+    ver="$(gobuild_pin containerd "$containerd_module")"
+    [[ -n "$ver" ]] || die "label $label: $containerd_module not pinned in tests/peers/containerd/go.mod"
+    [[ "$ver" == "v$label."* ]] ||
+        die "label $label: tests/peers/containerd/go.mod pins $containerd_module $ver (not v$label.x)"
+    containerd_units "$ver" "$go"
+    # shellcheck disable=SC2317  # called by gobuild_fetch
+    check_new() { check_bindir "$label" "$1" "$ver" >/dev/null; }
+    gobuild_fetch containerd "$go" "$ctd_cache/$ver" containerd check_new "${units[@]}"
+    ver="$(check_bindir "$label" "$gobuild_bindir" "$ver")"
+    echo "$label $ver $gobuild_bindir"
 }
 
 # --------------------------------------------------------------------- main
 
 fetch_label() { # label; run in a subshell (see below)
-    trap cleanup EXIT
+    trap gobuild_cleanup EXIT
     mkdir -p "$ctd_cache"
     case "$1" in
         1.6) fetch_system 1.6 ;;
@@ -341,25 +281,18 @@ case "$cmd" in
         shift
         labels=("$@")
         ((${#labels[@]})) || labels=("${all_labels[@]}")
-        failed=()
-        for label in "${labels[@]}"; do
-            # A subshell per label, not called from `||`/`if`: there bash would
-            # ignore `set -e` inside it. One label failing does not stop the rest.
-            set +e
-            (set -e; fetch_label "$label")
-            rc=$?
-            set -e
-            ((rc == 0)) || failed+=("$label")
-        done
-        if ((${#failed[@]})); then
-            die "could not provide containerd for label(s): ${failed[*]}"
-        fi
+        gobuild_each "could not provide containerd for label(s)" fetch_label "${labels[@]}"
         ;;
     versions)
-        gomod_pins
+        gobuild_all_pins
+        ;;
+    verify)
+        go="$(gobuild_find_go)" || die "go not found"
+        containerd_units "$(gobuild_pin containerd "$containerd_module")" "$go"
+        gobuild_verify containerd "$go" "${units[@]}"
         ;;
     *)
-        echo "usage: $0 fetch [LABEL...] | versions   (labels: ${all_labels[*]})" >&2
+        echo "usage: $0 fetch [LABEL...] | versions | verify   (labels: ${all_labels[*]})" >&2
         exit 2
         ;;
 esac

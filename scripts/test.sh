@@ -67,7 +67,7 @@ cargo test --lib --bins -- --test-threads=2
 # space-separated) runs a subset.
 matrix="${IMGBRIDGE_MATRIX:-1.6 1.7 2.1 2.4}"
 echo "==> containerd matrix: $matrix"
-echo "    pinned Go peers (tests/peers/go.mod):"
+echo "    pinned Go peers (tests/peers/*/go.mod):"
 scripts/containerd-matrix.sh versions | sed 's/^/      /'
 # shellcheck disable=SC2086
 scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt

@@ -1,17 +1,7 @@
-// Peer binaries the integration tests run against (containerd today;
-// buildkit, nerdctl, crictl later). Nothing here is imported by imgbridge:
-// each peer is a `tool` directive, built by scripts/containerd-matrix.sh with
-// `go build -o <cache dir> <tool package>`.
-//
-// Versions are pinned ONCE, here: the "Peers" require block (go mod tidy
-// marks them // indirect because no package of this module imports them);
-// go.sum pins the code. To add a peer: `GOWORK=off go get -tool
-// <pkg>@<version>`, move its require line into the "Peers" block, then
-// `GOWORK=off go mod tidy`. Mirror any replace/exclude of the peer's own
-// go.mod so the binary matches upstream's (containerd v2.4.2 has none).
-// Note that all peers share one module graph: a newer dependency pulled in by
-// one peer also lands in the others (check `go list -m all` after adding).
-module imgbridge.test/peers
+// containerd for the `2.4` label of scripts/containerd-matrix.sh: one Go module
+// per peer, so the binaries get containerd's own dependency versions (see
+// ../README.md). containerd v2.4.2 has no replace/exclude directives.
+module imgbridge.test/peers/containerd
 
 go 1.26.6
 
@@ -21,10 +11,10 @@ tool (
 	github.com/containerd/containerd/v2/cmd/ctr
 )
 
-// Peers (one line per tool-providing module).
+// The peer (go mod tidy marks it // indirect: nothing here imports it).
 require github.com/containerd/containerd/v2 v2.4.2 // indirect
 
-// Their dependencies (managed by go mod tidy).
+// Its dependencies (managed by go mod tidy).
 require (
 	cyphar.com/go-pathrs v0.2.5 // indirect
 	dario.cat/mergo v1.0.2 // indirect

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Provides the real client peers the integration tests drive, built from the
+# Go module proxy at the versions pinned in tests/peers/<name>/go.mod (one Go
+# module per peer, see tests/peers/README.md), each set in its own bin dir,
+# cached outside the repo and reused across runs.
+#
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl)
+#       stdout, one line per name: <name> <version> <absolute bindir>
+#       bindir holds buildkitd + buildctl (buildkit), nerdctl, or crictl.
+#   scripts/peers.sh versions
+#       stdout: "<module> <version>" for every Go peer (containerd included)
+#   scripts/peers.sh verify [NAME...]
+#       checks that each build uses upstream's own dependency versions and
+#       mirrors its exclude/replace directives (needs network)
+#
+# Environment:
+#   IMGBRIDGE_CACHE   cache root (default /var/cache/imgbridge-test); builds go
+#                     to $IMGBRIDGE_CACHE/peers/<name>-<version>-<hash>/bin
+#
+# Progress goes to stderr. Exits non-zero naming every peer that could not be
+# provided (the lines of the others are still printed). containerd itself
+# comes from scripts/containerd-matrix.sh.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
+peers_cache="$cache_root/peers"
+all_names=(buildkit nerdctl crictl)
+
+log() { echo "peers: $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# shellcheck source=scripts/lib/gobuild.sh
+. "$repo_root/scripts/lib/gobuild.sh"
+
+# Sets $module, $binaries and $units (see scripts/lib/gobuild.sh) for peer
+# $1 at version $2, with the flags of upstream's release builds:
+#   buildkit  Dockerfile stages buildctl/buildkitd: CGO_ENABLED=0, ldflags
+#             -X version.{Version,Revision,Package}; buildkitd also with
+#             -extldflags '-static' and tags "osusergo netgo static_build
+#             seccomp"; no -s -w.
+#   nerdctl   Makefile GO_BUILD: CGO_ENABLED=0, ldflags "-s -w -X
+#             pkg/version.Version=... -X pkg/version.Revision=...".
+#   crictl    hack/release.sh under the Makefile's GOFLAGS=-trimpath:
+#             CGO_ENABLED=0, -X pkg/version.Version=<tag>.
+# Revision stays unset: the module proxy carries no commit id (buildkit
+# prints an empty revision, nerdctl "<unknown>").
+peer_spec() { # name version
+    local ver="$2" ld
+    case "$1" in
+        buildkit)
+            module=github.com/moby/buildkit
+            binaries=(buildkitd buildctl)
+            ld="-X $module/version.Version=$ver -X $module/version.Package=$module"
+            units=(
+                "0||$ld||$module/cmd/buildctl"
+                "0|osusergo netgo static_build seccomp|$ld -extldflags '-static'||$module/cmd/buildkitd"
+            )
+            ;;
+        nerdctl)
+            module=github.com/containerd/nerdctl/v2
+            binaries=(nerdctl)
+            units=("0||-s -w -X $module/pkg/version.Version=$ver||$module/cmd/nerdctl")
+            ;;
+        crictl)
+            module=sigs.k8s.io/cri-tools
+            binaries=(crictl)
+            units=("0||-X $module/pkg/version.Version=$ver|-trimpath|$module/cmd/crictl")
+            ;;
+        *) die "unknown peer '$1' (known: ${all_names[*]})" ;;
+    esac
+}
+
+# Each binary must run and report the pinned version in --version (nerdctl
+# prints it without the leading "v").
+check_peer() { # bindir; uses $name $ver $binaries
+    local b out
+    for b in "${binaries[@]}"; do
+        [[ -x "$1/$b" ]] || die "peer $name: $1/$b missing"
+        out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"
+        [[ " $out " == *" $ver "* || " $out " == *" ${ver#v} "* ]] ||
+            die "peer $name: $1/$b --version prints '$out', expected $ver"
+    done
+}
+
+fetch_peer() { # name; run in a subshell (see below)
+    trap gobuild_cleanup EXIT
+    local name="$1" go ver module
+    local -a binaries units
+    go="$(gobuild_find_go)" || die "peer $name: go not found (needed to build it)"
+    # Validates the name before anything else.
+    peer_spec "$name" ""
+    ver="$(gobuild_pin "$name" "$module")"
+    [[ -n "$ver" ]] || die "peer $name: $module not pinned in tests/peers/$name/go.mod"
+    peer_spec "$name" "$ver"
+    gobuild_fetch "$name" "$go" "$peers_cache/$name-$ver" "${binaries[0]}" check_peer "${units[@]}"
+    check_peer "$gobuild_bindir"
+    echo "$name $ver $gobuild_bindir"
+}
+
+verify_peer() { # name; run in a subshell
+    local name="$1" go module
+    local -a binaries units
+    go="$(gobuild_find_go)" || die "go not found"
+    peer_spec "$name" ""
+    peer_spec "$name" "$(gobuild_pin "$name" "$module")"
+    gobuild_verify "$name" "$go" "${units[@]}"
+}
+
+cmd="${1:-}"
+case "$cmd" in
+    fetch | verify)
+        shift
+        names=("$@")
+        ((${#names[@]})) || names=("${all_names[@]}")
+        gobuild_each "$cmd failed for peer(s)" "${cmd}_peer" "${names[@]}"
+        ;;
+    versions)
+        gobuild_all_pins
+        ;;
+    *)
+        echo "usage: $0 fetch [NAME...] | versions | verify [NAME...]   (names: ${all_names[*]})" >&2
+        exit 2
+        ;;
+esac
