@@ -69,14 +69,30 @@ matrix="${IMGBRIDGE_MATRIX:-1.6 1.7 2.1 2.4}"
 echo "==> containerd matrix: $matrix"
 echo "    pinned Go peers (tests/peers/*/go.mod):"
 scripts/containerd-matrix.sh versions | sed 's/^/      /'
+stage_start=$SECONDS
 # shellcheck disable=SC2086
 scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
+echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
+
+# The real clients (buildkitd, buildctl, nerdctl, crictl), built once into
+# their cache; the tests that need them use the same builds.
+# IMGBRIDGE_SKIP_PEERS=1 skips both the builds and those tests (a quick
+# local loop only: CI never sets it).
+if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" == "1" ]]; then
+    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl and crictl tests will not run"
+else
+    stage_start=$SECONDS
+    echo "==> peers: scripts/peers.sh fetch"
+    scripts/peers.sh fetch
+    echo "    (peers ready in $((SECONDS - stage_start)) s)"
+fi
 
 summary=()
 failed=0
 while read -r label version bindir; do
     log="target/test-containerd-$label.log"
+    stage_start=$SECONDS
     echo "==> integration tests against containerd $version ($label)"
     set +e
     IMGBRIDGE_CONTAINERD="$bindir" cargo test --tests --no-fail-fast -- --test-threads=2 2>&1 | tee "$log"
@@ -87,7 +103,7 @@ while read -r label version bindir; do
     if [[ $rc -ne 0 && $nfail -eq 0 ]]; then
         nfail="build or harness error (exit $rc)"
     fi
-    summary+=("containerd $version: $passed passed, $nfail failed")
+    summary+=("containerd $version: $passed passed, $nfail failed ($((SECONDS - stage_start)) s)")
     [[ $rc -eq 0 ]] || failed=1
 done < target/containerd-matrix.txt
 

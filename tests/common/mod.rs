@@ -37,6 +37,7 @@
 #![allow(dead_code)]
 
 pub mod front;
+pub mod peers;
 
 use std::collections::HashMap;
 use std::ffi::OsStr;

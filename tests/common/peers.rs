@@ -1,0 +1,345 @@
+//! The real clients: buildkitd and buildctl, nerdctl, crictl, built by
+//! `scripts/peers.sh` from `tests/peers/` at the versions pinned there.
+//!
+//! `IMGBRIDGE_SKIP_PEERS=1` skips every test that needs one (a quick local
+//! loop; CI never sets it): [`peer`] then returns `None` and says so.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use tempfile::TempDir;
+
+use super::{
+    flavor, output_with_timeout, poll, snapshotter, tempdir, unique_name, Daemon, READY_TIMEOUT,
+    TOOL_TIMEOUT,
+};
+
+/// One built peer.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    pub name: String,
+    pub version: String,
+    pub bin_dir: PathBuf,
+}
+
+impl Peer {
+    pub fn command(&self, bin: &str) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join(bin));
+        // Its containerd's ctr/shim first, as for the daemon under test.
+        cmd.env("PATH", flavor().path_env())
+            .env_remove("CONTAINERD_ADDRESS")
+            .env_remove("CONTAINERD_NAMESPACE");
+        cmd
+    }
+}
+
+fn peers() -> &'static Option<HashMap<String, Peer>> {
+    static P: OnceLock<Option<HashMap<String, Peer>>> = OnceLock::new();
+    P.get_or_init(|| {
+        if std::env::var_os("IMGBRIDGE_SKIP_PEERS").is_some_and(|v| v == "1") {
+            return None;
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers.sh");
+        let out = Command::new(&script)
+            .arg("fetch")
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{} fetch failed ({}): {text}",
+            script.display(),
+            out.status
+        );
+        Some(
+            text.lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f.len() == 3).then(|| {
+                        (
+                            f[0].to_string(),
+                            Peer {
+                                name: f[0].into(),
+                                version: f[1].into(),
+                                bin_dir: f[2].into(),
+                            },
+                        )
+                    })
+                })
+                .collect(),
+        )
+    })
+}
+
+/// The peer `name` (`buildkit`, `nerdctl`, `crictl`), or `None` when peers
+/// are skipped.
+pub fn peer(name: &str) -> Option<&'static Peer> {
+    match peers() {
+        None => {
+            eprintln!("skipped: needs {name} (IMGBRIDGE_SKIP_PEERS=1)");
+            None
+        }
+        Some(p) => Some(
+            p.get(name)
+                .unwrap_or_else(|| panic!("scripts/peers.sh gave no {name}")),
+        ),
+    }
+}
+
+fn ok(what: &str, out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+// ---------------------------------------------------------------------------
+// crictl: what kubelet sees
+// ---------------------------------------------------------------------------
+
+/// crictl on a containerd's own socket, as kubelet talks to it.
+pub struct Crictl {
+    peer: &'static Peer,
+    endpoint: String,
+}
+
+impl Crictl {
+    pub fn new(containerd_sock: &Path) -> Option<Crictl> {
+        Some(Crictl {
+            peer: peer("crictl")?,
+            endpoint: format!("unix://{}", containerd_sock.display()),
+        })
+    }
+
+    pub fn run<I, S>(&self, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = self.peer.command("crictl");
+        cmd.args(["--runtime-endpoint", &self.endpoint])
+            .args(["--image-endpoint", &self.endpoint])
+            .args(["--timeout", "20s"])
+            .args(args)
+            // No /etc/crictl.yaml of the machine's.
+            .env("CRI_CONFIG_FILE", "/dev/null");
+        output_with_timeout(cmd, TOOL_TIMEOUT)
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        ok(&format!("crictl {args:?}"), self.run(args))
+    }
+
+    /// `crictl inspecti`: the image id kubelet would get for `name`, or
+    /// `None` if CRI does not resolve it.
+    pub fn image_id(&self, name: &str) -> Option<String> {
+        let out = self.run(["inspecti", "-o", "json", name]);
+        if !out.status.success() {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        v["status"]["id"].as_str().map(str::to_owned)
+    }
+
+    /// Whether CRI reports `name` pinned.
+    pub fn pinned(&self, name: &str) -> Option<bool> {
+        let out = self.run(["inspecti", "-o", "json", name]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        v["status"]["pinned"].as_bool()
+    }
+
+    /// A host-network pod running `image` with `cmd` (runp, create, start,
+    /// as kubelet would), until its log shows `expect`; then removed.
+    pub fn run_pod(&self, image: &str, cmd: &[&str], expect: &str) -> String {
+        let dir = tempdir("crictl-pod-");
+        let d = dir.path();
+        let name = unique_name("pod");
+        let pod = serde_json::json!({
+            "metadata": {"name": name, "namespace": "imgbridge-test", "uid": unique_name("uid"), "attempt": 0},
+            "log_directory": d.join("logs").display().to_string(),
+            "linux": {"security_context": {"namespace_options": {"network": 2, "pid": 2, "ipc": 2}}}
+        });
+        let ctr = serde_json::json!({
+            "metadata": {"name": "main"},
+            "image": {"image": image},
+            "command": cmd,
+            "log_path": "main.log",
+            "linux": {}
+        });
+        fs::create_dir_all(d.join("logs")).unwrap();
+        let (pod_json, ctr_json) = (d.join("pod.json"), d.join("ctr.json"));
+        fs::write(&pod_json, pod.to_string()).unwrap();
+        fs::write(&ctr_json, ctr.to_string()).unwrap();
+        let p = |p: &Path| p.display().to_string();
+        let pod_id = self.ok(&["runp", &p(&pod_json)]).trim().to_string();
+        let guard = PodGuard {
+            crictl: self,
+            pod_id: pod_id.clone(),
+        };
+        let cid = self
+            .ok(&["create", &pod_id, &p(&ctr_json), &p(&pod_json)])
+            .trim()
+            .to_string();
+        self.ok(&["start", &cid]);
+        let log = poll(super::POD_TIMEOUT, || {
+            let out = self.run(["logs", &cid]);
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            text.contains(expect).then_some(text)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "pod of {image} never printed {expect:?}: {}",
+                String::from_utf8_lossy(&self.run(["ps", "-a"]).stdout)
+            )
+        });
+        drop(guard);
+        log
+    }
+}
+
+/// Stops and removes a pod however its test ends. containerd 1.6 can fail a
+/// stop with "ttrpc: closed" while the shim exits, so it is retried as
+/// kubelet does.
+struct PodGuard<'a> {
+    crictl: &'a Crictl,
+    pod_id: String,
+}
+
+impl Drop for PodGuard<'_> {
+    fn drop(&mut self) {
+        let _ = poll(Duration::from_secs(30), || {
+            let stopped = self.crictl.run(["stopp", &self.pod_id]).status.success();
+            (stopped && self.crictl.run(["rmp", &self.pod_id]).status.success()).then_some(())
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// buildkitd
+// ---------------------------------------------------------------------------
+
+/// A private buildkitd with only the containerd worker, in namespace
+/// `buildkit`, writing through `containerd` (imgbridge's socket, or
+/// containerd's own for a baseline).
+pub struct Buildkitd {
+    peer: &'static Peer,
+    daemon: Daemon,
+    addr: String,
+    dir: TempDir,
+}
+
+impl Buildkitd {
+    /// `namespace` is buildkit's worker namespace; `registry` a loopback
+    /// registry `host:port` it may pull from over plain http.
+    pub fn start(containerd: &Path, namespace: &str, registry: Option<&str>) -> Option<Buildkitd> {
+        let peer = peer("buildkit")?;
+        let dir = tempdir("buildkitd-");
+        let d = dir.path();
+        let addr = format!("unix://{}", d.join("buildkitd.sock").display());
+        let mut cfg = format!(
+            r#"root = "{root}"
+[grpc]
+  address = ["{addr}"]
+[worker.oci]
+  enabled = false
+[worker.containerd]
+  enabled = true
+  address = "{containerd}"
+  namespace = "{namespace}"
+  snapshotter = "{snap}"
+  gc = false
+"#,
+            root = d.join("root").display(),
+            containerd = containerd.display(),
+            snap = snapshotter(),
+        );
+        if let Some(r) = registry {
+            cfg.push_str(&format!(
+                "[registry.\"{r}\"]\n  http = true\n  insecure = true\n"
+            ));
+        }
+        fs::write(d.join("buildkitd.toml"), cfg).unwrap();
+        let mut cmd = peer.command("buildkitd");
+        cmd.arg("--config").arg(d.join("buildkitd.toml"));
+        let daemon = Daemon::spawn("buildkitd", cmd, &d.join("buildkitd.log"));
+        let mut b = Buildkitd {
+            peer,
+            daemon,
+            addr,
+            dir,
+        };
+        let ready = poll(READY_TIMEOUT, || {
+            if let Some(st) = b.daemon.try_reap() {
+                panic!("buildkitd exited ({st}):\n{}", b.daemon.log_tail(40));
+            }
+            b.buildctl(["debug", "workers"])
+                .status
+                .success()
+                .then_some(())
+        });
+        if ready.is_none() {
+            panic!("buildkitd not ready:\n{}", b.daemon.log_tail(40));
+        }
+        Some(b)
+    }
+
+    pub fn buildctl<I, S>(&self, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = self.peer.command("buildctl");
+        cmd.args(["--addr", &self.addr]).args(args);
+        output_with_timeout(cmd, TOOL_TIMEOUT)
+    }
+
+    /// `buildctl build` of `dockerfile` with `files` as its context and
+    /// `--output <output>`; panics with buildkitd's log on failure.
+    pub fn build(&self, dockerfile: &str, files: &[(&str, &[u8])], output: &str, extra: &[&str]) {
+        let ctx = tempdir("build-ctx-");
+        fs::write(ctx.path().join("Dockerfile"), dockerfile).unwrap();
+        for (name, data) in files {
+            fs::write(ctx.path().join(name), data).unwrap();
+        }
+        let c = ctx.path().display().to_string();
+        let mut args = vec![
+            "build".to_string(),
+            "--frontend".into(),
+            "dockerfile.v0".into(),
+            "--local".into(),
+            format!("context={c}"),
+            "--local".into(),
+            format!("dockerfile={c}"),
+            "--output".into(),
+            output.into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = self.buildctl(&args);
+        if !out.status.success() {
+            panic!(
+                "buildctl {args:?} failed:\n{}\n--- buildkitd log ---\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                self.daemon.log_tail(40)
+            );
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn log_tail(&self) -> String {
+        self.daemon.log_tail(60)
+    }
+}
