@@ -2305,10 +2305,20 @@ pub async fn cri_image_client(sock: &Path) -> ImageServiceClient<Channel> {
 }
 
 /// CRI `ImageStatus`; `Err` carries the connection or RPC error.
+/// CRI's `ImageStatus` of `image_ref` on containerd's socket `sock`: what
+/// kubelet would see, asked with crictl (over gRPC only when the peers are
+/// skipped).
 pub async fn try_cri_image_status(
     sock: &Path,
     image_ref: &str,
 ) -> Result<Option<k8s_cri::v1::Image>, String> {
+    if let Some(crictl) = peers::Crictl::quiet(sock) {
+        let name = image_ref.to_string();
+        let status = tokio::task::spawn_blocking(move || crictl.inspecti(&name))
+            .await
+            .map_err(|e| e.to_string())??;
+        return Ok(status.map(|s| image_from_json(&s)));
+    }
     let ch = try_containerd_channel(sock)
         .await
         .map_err(|e| format!("connect: {e:?}"))?;
@@ -2328,6 +2338,31 @@ pub async fn try_cri_image_status(
 
 /// CRI `ImageStatus` for `image_ref`, `None` when CRI does not know it.
 /// Panics on connection/RPC errors.
+/// crictl's JSON image status as CRI's `Image`.
+fn image_from_json(s: &serde_json::Value) -> k8s_cri::v1::Image {
+    let strings = |k: &str| -> Vec<String> {
+        s[k].as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    k8s_cri::v1::Image {
+        id: s["id"].as_str().unwrap_or_default().to_string(),
+        repo_tags: strings("repoTags"),
+        repo_digests: strings("repoDigests"),
+        size: s["size"]
+            .as_str()
+            .and_then(|v| v.parse().ok())
+            .or_else(|| s["size"].as_u64())
+            .unwrap_or_default(),
+        pinned: s["pinned"].as_bool().unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
 pub async fn cri_image_status(sock: &Path, image_ref: &str) -> Option<k8s_cri::v1::Image> {
     try_cri_image_status(sock, image_ref)
         .await
@@ -2448,6 +2483,7 @@ pub async fn run_pod(sock: &Path, image_ref: &str, cmd: &[&str], expect: &str) -
         ..Default::default()
     };
     let mut rt = cri_runtime_client(sock).await;
+    let crictl = peers::Crictl::quiet(sock);
     let mut pod = PodRun {
         sock: sock.to_path_buf(),
         name: name.clone(),
@@ -2456,6 +2492,23 @@ pub async fn run_pod(sock: &Path, image_ref: &str, cmd: &[&str], expect: &str) -
         log_path: log_dir.join("main.log"),
         logs,
     };
+    if let Some(crictl) = crictl {
+        // As kubelet would: crictl runp, create, start.
+        let (name, image, dir) = (name.clone(), image_ref.to_string(), log_dir.clone());
+        let cmd: Vec<String> = cmd.iter().map(|s| s.to_string()).collect();
+        let (pod_id, started) = tokio::task::spawn_blocking(move || {
+            let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+            crictl.start_pod(&name, &image, &cmd, &dir)
+        })
+        .await
+        .expect("crictl task");
+        pod.pod_id = pod_id.unwrap_or_default();
+        match started {
+            Ok(cid) => pod.container_id = cid,
+            Err(e) => pod.fail(&mut rt, e).await,
+        }
+        return pod.wait_for(&mut rt, expect).await;
+    }
     match rt
         .run_pod_sandbox(RunPodSandboxRequest {
             config: Some(pod_config.clone()),
@@ -2509,45 +2562,53 @@ pub async fn run_pod(sock: &Path, image_ref: &str, cmd: &[&str], expect: &str) -
         pod.fail(&mut rt, format!("StartContainer: {e:?}")).await;
     }
 
-    // Poll the log; fail fast if the container exited without the output
-    // (allowing 2 s for the log to be flushed after exit).
-    let deadline = Instant::now() + POD_TIMEOUT;
-    let mut exited_at: Option<(Instant, ContainerStatus)> = None;
-    loop {
-        if pod.log().contains(expect) {
-            return pod;
-        }
-        if exited_at.is_none() {
-            if let Ok(r) = rt
-                .container_status(ContainerStatusRequest {
-                    container_id: pod.container_id.clone(),
-                    verbose: false,
-                })
-                .await
-            {
-                if let Some(st) = r.into_inner().status {
-                    if st.state == ContainerState::ContainerExited as i32 {
-                        exited_at = Some((Instant::now(), st));
+    pod.wait_for(&mut rt, expect).await
+}
+
+impl PodRun {
+    /// Polls the log until it shows `expect`; fails fast if the container
+    /// exited without it (allowing 2 s for the log to be flushed).
+    async fn wait_for(mut self, rt: &mut RuntimeServiceClient<Channel>, expect: &str) -> PodRun {
+        use k8s_cri::v1::*;
+        let pod = &mut self;
+        let deadline = Instant::now() + POD_TIMEOUT;
+        let mut exited_at: Option<(Instant, ContainerStatus)> = None;
+        loop {
+            if pod.log().contains(expect) {
+                return self;
+            }
+            if exited_at.is_none() {
+                if let Ok(r) = rt
+                    .container_status(ContainerStatusRequest {
+                        container_id: pod.container_id.clone(),
+                        verbose: false,
+                    })
+                    .await
+                {
+                    if let Some(st) = r.into_inner().status {
+                        if st.state == ContainerState::ContainerExited as i32 {
+                            exited_at = Some((Instant::now(), st));
+                        }
                     }
                 }
             }
-        }
-        if let Some((t, st)) = &exited_at {
-            if t.elapsed() > Duration::from_secs(2) {
-                let msg = format!(
+            if let Some((t, st)) = &exited_at {
+                if t.elapsed() > Duration::from_secs(2) {
+                    let msg = format!(
                     "container exited (code {}, reason {:?}, message {:?}) without printing {expect:?}",
                     st.exit_code, st.reason, st.message
                 );
-                pod.fail(&mut rt, msg).await;
+                    pod.fail(rt, msg).await;
+                }
             }
+            if Instant::now() >= deadline {
+                pod.fail(
+                    rt,
+                    format!("{expect:?} not in container log within {POD_TIMEOUT:?}"),
+                )
+                .await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        if Instant::now() >= deadline {
-            pod.fail(
-                &mut rt,
-                format!("{expect:?} not in container log within {POD_TIMEOUT:?}"),
-            )
-            .await;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -108,6 +108,7 @@ fn ok(what: &str, out: Output) -> String {
 // ---------------------------------------------------------------------------
 
 /// crictl on a containerd's own socket, as kubelet talks to it.
+#[derive(Clone)]
 pub struct Crictl {
     peer: &'static Peer,
     endpoint: String,
@@ -117,6 +118,16 @@ impl Crictl {
     pub fn new(containerd_sock: &Path) -> Option<Crictl> {
         Some(Crictl {
             peer: peer("crictl")?,
+            endpoint: format!("unix://{}", containerd_sock.display()),
+        })
+    }
+
+    /// Like [`Crictl::new`], without saying so when peers are skipped (the
+    /// harness then asks CRI over gRPC itself).
+    pub fn quiet(containerd_sock: &Path) -> Option<Crictl> {
+        let p = peers().as_ref()?.get("crictl")?;
+        Some(Crictl {
+            peer: p,
             endpoint: format!("unix://{}", containerd_sock.display()),
         })
     }
@@ -140,58 +151,92 @@ impl Crictl {
         ok(&format!("crictl {args:?}"), self.run(args))
     }
 
-    /// `crictl inspecti`: the image id kubelet would get for `name`, or
-    /// `None` if CRI does not resolve it.
-    pub fn image_id(&self, name: &str) -> Option<String> {
+    /// `crictl inspecti -o json`: CRI's image status (`None`: not found).
+    pub fn inspecti(&self, name: &str) -> Result<Option<serde_json::Value>, String> {
         let out = self.run(["inspecti", "-o", "json", name]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
         if !out.status.success() {
-            return None;
+            return match stderr.contains("no such image") || stderr.contains("not found") {
+                true => Ok(None),
+                false => Err(format!("crictl inspecti {name}: {stderr}")),
+            };
         }
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        v["status"]["id"].as_str().map(str::to_owned)
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .map_err(|e| format!("crictl inspecti {name}: {e}"))?;
+        Ok(Some(v["status"].clone()).filter(|s| !s.is_null()))
+    }
+
+    /// The image id kubelet would get for `name`, or `None` if CRI does not
+    /// resolve it.
+    pub fn image_id(&self, name: &str) -> Option<String> {
+        let s = self.inspecti(name).ok()??;
+        s["id"].as_str().map(str::to_owned)
     }
 
     /// Whether CRI reports `name` pinned.
     pub fn pinned(&self, name: &str) -> Option<bool> {
-        let out = self.run(["inspecti", "-o", "json", name]);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        v["status"]["pinned"].as_bool()
+        self.inspecti(name).ok()??["pinned"].as_bool()
     }
 
-    /// A host-network pod running `image` with `cmd` (runp, create, start,
-    /// as kubelet would), until its log shows `expect`; then removed.
-    pub fn run_pod(&self, image: &str, cmd: &[&str], expect: &str) -> String {
-        let dir = tempdir("crictl-pod-");
-        let d = dir.path();
-        let name = unique_name("pod");
+    /// `runp`, `create`, `start` of a host-network pod with one container
+    /// `main` running `cmd` from `image`, logging to `log_dir/main.log`, as
+    /// kubelet would. Returns the pod id (once there is one) and the
+    /// container id or what failed.
+    pub fn start_pod(
+        &self,
+        name: &str,
+        image: &str,
+        cmd: &[&str],
+        log_dir: &Path,
+    ) -> (Option<String>, Result<String, String>) {
+        let ns = serde_json::json!({"network": 2, "pid": 2, "ipc": 2});
         let pod = serde_json::json!({
             "metadata": {"name": name, "namespace": "imgbridge-test", "uid": unique_name("uid"), "attempt": 0},
-            "log_directory": d.join("logs").display().to_string(),
-            "linux": {"security_context": {"namespace_options": {"network": 2, "pid": 2, "ipc": 2}}}
+            "log_directory": log_dir.display().to_string(),
+            "linux": {"security_context": {"namespace_options": ns}}
         });
         let ctr = serde_json::json!({
             "metadata": {"name": "main"},
             "image": {"image": image},
             "command": cmd,
             "log_path": "main.log",
-            "linux": {}
+            "linux": {"security_context": {"namespace_options": ns}}
         });
-        fs::create_dir_all(d.join("logs")).unwrap();
-        let (pod_json, ctr_json) = (d.join("pod.json"), d.join("ctr.json"));
+        let (pod_json, ctr_json) = (log_dir.join("pod.json"), log_dir.join("ctr.json"));
         fs::write(&pod_json, pod.to_string()).unwrap();
         fs::write(&ctr_json, ctr.to_string()).unwrap();
         let p = |p: &Path| p.display().to_string();
-        let pod_id = self.ok(&["runp", &p(&pod_json)]).trim().to_string();
-        let guard = PodGuard {
-            crictl: self,
-            pod_id: pod_id.clone(),
+        let step = |args: &[&str]| -> Result<String, String> {
+            let out = self.run(args);
+            match out.status.success() {
+                true => Ok(String::from_utf8_lossy(&out.stdout).trim().to_string()),
+                false => Err(format!(
+                    "crictl {}: {}",
+                    args[0],
+                    String::from_utf8_lossy(&out.stderr)
+                )),
+            }
         };
-        let cid = self
-            .ok(&["create", &pod_id, &p(&ctr_json), &p(&pod_json)])
-            .trim()
-            .to_string();
-        self.ok(&["start", &cid]);
-        let log = poll(super::POD_TIMEOUT, || {
+        let pod_id = match step(&["runp", &p(&pod_json)]) {
+            Ok(id) => id,
+            Err(e) => return (None, Err(e)),
+        };
+        let cid = step(&["create", &pod_id, &p(&ctr_json), &p(&pod_json)])
+            .and_then(|cid| step(&["start", &cid]).map(|_| cid));
+        (Some(pod_id), cid)
+    }
+
+    /// A pod running `image` with `cmd` until its log shows `expect`; then
+    /// removed.
+    pub fn run_pod(&self, image: &str, cmd: &[&str], expect: &str) -> String {
+        let dir = tempdir("crictl-pod-");
+        let (pod_id, cid) = self.start_pod(&unique_name("pod"), image, cmd, dir.path());
+        let _guard = pod_id.map(|pod_id| PodGuard {
+            crictl: self,
+            pod_id,
+        });
+        let cid = cid.unwrap_or_else(|e| panic!("pod of {image}: {e}"));
+        poll(super::POD_TIMEOUT, || {
             let out = self.run(["logs", &cid]);
             let text = String::from_utf8_lossy(&out.stdout).into_owned()
                 + &String::from_utf8_lossy(&out.stderr);
@@ -202,9 +247,7 @@ impl Crictl {
                 "pod of {image} never printed {expect:?}: {}",
                 String::from_utf8_lossy(&self.run(["ps", "-a"]).stdout)
             )
-        });
-        drop(guard);
-        log
+        })
     }
 }
 
@@ -341,5 +384,59 @@ impl Buildkitd {
 
     pub fn log_tail(&self) -> String {
         self.daemon.log_tail(60)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// nerdctl
+// ---------------------------------------------------------------------------
+
+/// nerdctl on `address` (imgbridge's socket) in one namespace, with its own
+/// data root; `nerdctl build` uses the given buildkitd (and buildctl).
+pub struct Nerdctl {
+    peer: &'static Peer,
+    address: PathBuf,
+    namespace: String,
+    data_root: TempDir,
+    buildkit_host: Option<String>,
+}
+
+impl Nerdctl {
+    pub fn new(address: &Path, namespace: &str, buildkit: Option<&Buildkitd>) -> Option<Nerdctl> {
+        Some(Nerdctl {
+            peer: peer("nerdctl")?,
+            address: address.to_path_buf(),
+            namespace: namespace.into(),
+            data_root: tempdir("nerdctl-"),
+            buildkit_host: buildkit.map(|b| b.addr.clone()),
+        })
+    }
+
+    pub fn run<I, S>(&self, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = self.peer.command("nerdctl");
+        cmd.arg("--address")
+            .arg(&self.address)
+            .args(["--namespace", &self.namespace])
+            .arg("--data-root")
+            .arg(self.data_root.path())
+            .args(["--snapshotter", snapshotter()]);
+        if let Some(h) = &self.buildkit_host {
+            // `nerdctl build` runs buildctl from PATH.
+            let bk = peer("buildkit").expect("buildkit");
+            let mut path = bk.bin_dir.as_os_str().to_owned();
+            path.push(":");
+            path.push(flavor().path_env());
+            cmd.env("PATH", path).env("BUILDKIT_HOST", h);
+        }
+        cmd.args(args);
+        output_with_timeout(cmd, TOOL_TIMEOUT)
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        ok(&format!("nerdctl {args:?}"), self.run(args))
     }
 }
