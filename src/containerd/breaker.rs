@@ -6,8 +6,9 @@
 //! call was in flight. Retrying it after the reconnect kills containerd
 //! again: a crash loop that takes every pod operation on the node with it.
 //! So each item (namespace + image name or blob digest) whose write broke
-//! the connection is held back for a capped, exponentially growing delay,
-//! and after [`STOP_AFTER`] breaks it is not written again by this process:
+//! the connection is held back for a capped, exponentially growing delay
+//! (its next write waits it out), and after [`STOP_AFTER`] breaks it is not
+//! written again by this process:
 //! an ERROR names the call, the item and containerd's version, and the
 //! observer (ops: a metric and `/status`) is told. A later success clears
 //! the item. A call that could not even connect proves nothing and counts
@@ -20,7 +21,11 @@ use std::time::{Duration, Instant};
 /// Breaks after which an item is no longer written.
 pub const STOP_AFTER: u32 = 2;
 /// Hold-back after the first break; doubles per break up to [`MAX_DELAY`].
-const BASE_DELAY: Duration = Duration::from_secs(5);
+/// Long enough for a containerd that crashed on the request to be seen
+/// restarting (the write then fails to connect, which counts for nothing),
+/// short enough that one that only restarted under an unrelated write gets
+/// it promptly.
+const BASE_DELAY: Duration = Duration::from_secs(1);
 const MAX_DELAY: Duration = Duration::from_secs(300);
 
 /// Told about every break (ops turns it into a metric and `/status`).

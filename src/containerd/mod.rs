@@ -126,8 +126,10 @@ impl Containerd {
     }
 
     /// Sends a write of imgbridge's own on `item` (image name or blob
-    /// digest) in `ns`, unless an earlier one broke the connection (see
-    /// [`breaker`]); records the outcome.
+    /// digest) in `ns` and records the outcome (see [`breaker`]). After a
+    /// write of the item broke the connection once, this one waits out the
+    /// back-off first (a containerd that merely restarted meanwhile gets the
+    /// write a moment later, not never); after two, it is refused.
     pub(crate) async fn guarded<T>(
         &self,
         op: impl FnOnce() -> String,
@@ -135,8 +137,14 @@ impl Containerd {
         item: &str,
         call: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        if let Err(refusal) = self.breaker.admit(ns, item) {
-            return Err(Error::Refused { op: op(), refusal });
+        loop {
+            match self.breaker.admit(ns, item) {
+                Ok(()) => break,
+                Err(breaker::Refusal::HeldBack { remaining }) => {
+                    tokio::time::sleep(remaining).await;
+                }
+                Err(refusal) => return Err(Error::Refused { op: op(), refusal }),
+            }
         }
         let r = call.await;
         match &r {
