@@ -501,7 +501,7 @@ fn socket_activation_serves_the_passed_listener() {
                 return Err(std::io::Error::last_os_error());
             }
             let mut buf = [0u8; 24];
-            let pid = itoa(libc::getpid() as u32, &mut buf);
+            let pid = common::itoa(libc::getpid() as u32, &mut buf);
             libc::setenv(c"LISTEN_PID".as_ptr(), pid.as_ptr().cast(), 1);
             libc::setenv(c"LISTEN_FDS".as_ptr(), c"1".as_ptr(), 1);
             Ok(())
@@ -534,21 +534,6 @@ fn socket_activation_serves_the_passed_listener() {
     let status = child.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
     assert!(sock.exists());
-}
-
-/// Writes `n` in decimal into `buf`, NUL-terminated; no allocation.
-fn itoa(mut n: u32, buf: &mut [u8; 24]) -> &[u8] {
-    let mut i = buf.len() - 1;
-    buf[i] = 0;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    &buf[i..]
 }
 
 fn nix_kill_term(pid: u32) {

@@ -694,7 +694,7 @@ impl Activated {
                     return Err(std::io::Error::last_os_error());
                 }
                 let mut buf = [0u8; 24];
-                let pid = itoa(libc::getpid() as u32, &mut buf);
+                let pid = common::itoa(libc::getpid() as u32, &mut buf);
                 libc::setenv(c"LISTEN_PID".as_ptr(), pid.as_ptr().cast(), 1);
                 libc::setenv(c"LISTEN_FDS".as_ptr(), c"2".as_ptr(), 1);
                 libc::setenv(c"LISTEN_FDNAMES".as_ptr(), c"grpc:ttrpc".as_ptr(), 1);
@@ -711,19 +711,4 @@ impl Drop for Activated {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// Writes `n` in decimal into `buf`, NUL-terminated; no allocation.
-fn itoa(mut n: u32, buf: &mut [u8; 24]) -> &[u8] {
-    let mut i = buf.len() - 1;
-    buf[i] = 0;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    &buf[i..]
 }

@@ -1088,31 +1088,53 @@ pub fn flavor() -> &'static Flavor {
 /// The bin dir `scripts/containerd-matrix.sh` gives for `label` (fetched or
 /// built on first use, cached after).
 fn matrix_bin_dir(label: &str) -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/containerd-matrix.sh");
+    fetched("containerd-matrix.sh", &["fetch", label])
+        .into_iter()
+        .find(|[l, _, _]| l == label)
+        .map(|[_, _, dir]| PathBuf::from(dir))
+        .unwrap_or_else(|| panic!("scripts/containerd-matrix.sh gave no bin dir for {label}"))
+}
+
+/// Runs `scripts/<script> <args>`, whose stdout is one `<name> <version>
+/// <bin dir>` line per item it fetched or built; panics if it fails.
+pub fn fetched(script: &str, args: &[&str]) -> Vec<[String; 3]> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(script);
     let out = Command::new(&script)
-        .args(["fetch", label])
+        .args(args)
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "{} fetch {label} failed ({}): {text}",
+        "{} {args:?} failed ({}): {text}",
         script.display(),
         out.status
     );
     text.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() == 3 && f[0] == label).then(|| PathBuf::from(f[2]))
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [a, b, c] => Some([a.to_string(), b.to_string(), c.to_string()]),
+            _ => None,
         })
-        .next()
-        .unwrap_or_else(|| {
-            panic!(
-                "{} fetch {label} printed no bin dir: {text}",
-                script.display()
-            )
-        })
+        .collect()
+}
+
+/// Writes `n` in decimal into `buf`, NUL-terminated, without allocating
+/// (for `LISTEN_PID` between fork and exec).
+pub fn itoa(mut n: u32, buf: &mut [u8; 24]) -> &[u8] {
+    let mut i = buf.len() - 1;
+    buf[i] = 0;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[i..]
 }
 
 // ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -44,33 +44,16 @@ fn peers() -> &'static Option<HashMap<String, Peer>> {
         if std::env::var_os("IMGBRIDGE_SKIP_PEERS").is_some_and(|v| v == "1") {
             return None;
         }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers.sh");
-        let out = Command::new(&script)
-            .arg("fetch")
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{} fetch failed ({}): {text}",
-            script.display(),
-            out.status
-        );
         Some(
-            text.lines()
-                .filter_map(|l| {
-                    let f: Vec<&str> = l.split_whitespace().collect();
-                    (f.len() == 3).then(|| {
-                        (
-                            f[0].to_string(),
-                            Peer {
-                                name: f[0].into(),
-                                version: f[1].into(),
-                                bin_dir: f[2].into(),
-                            },
-                        )
-                    })
+            super::fetched("peers.sh", &["fetch"])
+                .into_iter()
+                .map(|[name, version, bin_dir]| {
+                    let peer = Peer {
+                        name: name.clone(),
+                        version,
+                        bin_dir: bin_dir.into(),
+                    };
+                    (name, peer)
                 })
                 .collect(),
         )
