@@ -95,7 +95,7 @@ while read -r label version bindir; do
     stage_start=$SECONDS
     echo "==> integration tests against containerd $version ($label)"
     set +e
-    IMGBRIDGE_CONTAINERD="$bindir" cargo test --tests --no-fail-fast -- --test-threads=2 2>&1 | tee "$log"
+    IMGBRIDGE_CONTAINERD="$bindir" cargo test --test '*' --no-fail-fast -- --test-threads=2 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
     passed=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
