@@ -219,15 +219,8 @@ impl Containerd {
 
     /// The metadata store's content sharing policy (`shared` or `isolated`).
     pub async fn sharing_policy(&self) -> Result<String> {
-        let r = self
-            .introspection()
-            .plugins(api::PluginsRequest {
-                filters: vec!["type==io.containerd.metadata.v1".into()],
-            })
-            .await
-            .map_err(Error::status("Introspection.Plugins"))?
-            .into_inner();
-        Ok(r.plugins
+        let ps = self.plugins("type==io.containerd.metadata.v1").await?;
+        Ok(ps
             .iter()
             .find_map(|p| p.exports.get("policy").cloned())
             .unwrap_or_else(|| "shared".into()))
@@ -235,15 +228,8 @@ impl Containerd {
 
     /// Whether the CRI plugin is loaded (so `ImageStatus` can confirm replicas).
     pub async fn has_cri(&self) -> Result<bool> {
-        let r = self
-            .introspection()
-            .plugins(api::PluginsRequest {
-                filters: vec!["type==io.containerd.grpc.v1,id==cri".into()],
-            })
-            .await
-            .map_err(Error::status("Introspection.Plugins"))?
-            .into_inner();
-        Ok(r.plugins.iter().any(|p| p.init_err.is_none()))
+        let ps = self.plugins("type==io.containerd.grpc.v1,id==cri").await?;
+        Ok(ps.iter().any(|p| p.init_err.is_none()))
     }
 }
 
