@@ -976,14 +976,9 @@ impl Flavor {
     }
 
     /// The config version this containerd reads natively (older ones are
-    /// migrated with a warning at every start): 2 for 1.x, 3 for 2.0-2.2,
-    /// 4 from 2.3 (the servers became plugins).
-    pub fn config_version(&self) -> u32 {
-        match self.semver {
-            (1, ..) => 2,
-            (2, 0..=2, _) => 3,
-            _ => 4,
-        }
+    /// migrated with a warning at every start), as doctor expects it.
+    pub fn config_version(&self) -> i64 {
+        imgbridge::ops::doctor::native_config_version(self.semver).unwrap_or(4)
     }
 
     /// The Transfer service exists from 1.7.
@@ -1023,19 +1018,10 @@ impl Flavor {
     }
 }
 
-/// Parses `1.7.24~ds1-5`, `v2.4.2`, `2.1.9~ds1` into (major, minor, patch).
+/// Parses `1.7.24~ds1-5`, `v2.4.2`, `2.1.9+unknown` into (major, minor,
+/// patch), as `imgbridge doctor` does.
 pub fn parse_semver(v: &str) -> Option<(u64, u64, u64)> {
-    let v = v.trim().trim_start_matches('v');
-    let mut parts = v.splitn(3, '.');
-    let num = |s: &str| -> Option<u64> {
-        let digits: String = s.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
-    };
-    Some((
-        num(parts.next()?)?,
-        num(parts.next()?)?,
-        num(parts.next()?)?,
-    ))
+    imgbridge::ops::doctor::parse_version(v)
 }
 
 pub fn flavor() -> &'static Flavor {
