@@ -123,9 +123,9 @@ impl Containerd {
         blob: BlobRef<'_>,
     ) -> Result<Linked> {
         let digest = blob.digest;
-        let op = || format!("Content.Write {digest} in {target}");
+        let op = format!("Content.Write {digest} in {target}");
         let call = self.write_with(target, lease, blob, || self.read_stream(source, digest));
-        self.guarded(op, target, digest, call).await
+        self.guarded(&op, target, digest, call).await
     }
 
     /// Shared content in ONE round trip: a first message that is already the
@@ -139,8 +139,8 @@ impl Containerd {
         blob: BlobRef<'_>,
     ) -> Result<Option<Linked>> {
         let digest = blob.digest;
-        let op = || format!("Content.Write {digest} in {ns}");
-        self.guarded(op, ns, digest, self.commit_shared(ns, lease, blob))
+        let op = format!("Content.Write {digest} in {ns}");
+        self.guarded(&op, ns, digest, self.commit_shared(ns, lease, blob))
             .await
     }
 
@@ -368,7 +368,7 @@ impl Containerd {
         labels: &HashMap<String, String>,
     ) -> Result<()> {
         let paths = labels.keys().map(|k| format!("labels.{k}")).collect();
-        let op = || format!("Content.Update {digest} in {ns}");
+        let op = format!("Content.Update {digest} in {ns}");
         // Only the digest and the masked labels are read by every version
         // (timestamps and size may be absent: converted as zero, not
         // dereferenced).
@@ -387,9 +387,9 @@ impl Containerd {
                     },
                 ))
                 .await
-                .map_err(Error::status(op()))
+                .map_err(Error::status(op.clone()))
         };
-        self.guarded(op, ns, digest, call).await?;
+        self.guarded(&op, ns, digest, call).await?;
         Ok(())
     }
 }

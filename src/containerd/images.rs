@@ -1,9 +1,12 @@
 //! Image records.
 
+use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::services::v1::{
     CreateImageRequest, DeleteImageRequest, GetImageRequest, Image, ListImagesRequest,
     UpdateImageRequest,
 };
+
+use tonic::transport::Channel;
 
 use super::{request, Containerd, Error, Result};
 
@@ -36,23 +39,16 @@ impl Containerd {
 
     pub async fn create_image(&self, ns: &str, image: Image) -> Result<Image> {
         let op = format!("Images.Create {} in {ns}", image.name);
-        let image = with_target(image, &op)?;
-        let name = image.name.clone();
-        let call = async {
-            self.images()
-                .create(request(
-                    ns,
-                    None,
-                    CreateImageRequest {
-                        image: Some(image),
-                        ..Default::default()
-                    },
-                ))
+        self.write_record(op, ns, image, |mut c, image| async move {
+            let req = CreateImageRequest {
+                image: Some(image),
+                ..Default::default()
+            };
+            c.create(request(ns, None, req))
                 .await
-                .map_err(Error::status(op.clone()))
-        };
-        let r = self.guarded(|| op.clone(), ns, &name, call).await?;
-        replied_image(r.into_inner().image, &op)
+                .map(|r| r.into_inner().image)
+        })
+        .await
     }
 
     /// Update; an empty `mask` replaces the whole record (labels and target).
@@ -60,25 +56,42 @@ impl Containerd {
     /// labels: see [`with_target`].
     pub async fn update_image(&self, ns: &str, image: Image, mask: Vec<String>) -> Result<Image> {
         let op = format!("Images.Update {} in {ns}", image.name);
+        self.write_record(op, ns, image, |mut c, image| async move {
+            let req = UpdateImageRequest {
+                image: Some(image),
+                update_mask: (!mask.is_empty()).then_some(prost_types::FieldMask { paths: mask }),
+                ..Default::default()
+            };
+            c.update(request(ns, None, req))
+                .await
+                .map(|r| r.into_inner().image)
+        })
+        .await
+    }
+
+    /// One Create or Update of `image`: refused without a complete target
+    /// ([`with_target`]), sent under the breaker; the record containerd
+    /// stored.
+    async fn write_record<F, Fut>(
+        &self,
+        op: String,
+        ns: &str,
+        image: Image,
+        send: F,
+    ) -> Result<Image>
+    where
+        F: FnOnce(ImagesClient<Channel>, Image) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<Option<Image>, tonic::Status>>,
+    {
         let image = with_target(image, &op)?;
         let name = image.name.clone();
         let call = async {
-            self.images()
-                .update(request(
-                    ns,
-                    None,
-                    UpdateImageRequest {
-                        image: Some(image),
-                        update_mask: (!mask.is_empty())
-                            .then_some(prost_types::FieldMask { paths: mask }),
-                        ..Default::default()
-                    },
-                ))
+            send(self.images(), image)
                 .await
                 .map_err(Error::status(op.clone()))
         };
-        let r = self.guarded(|| op.clone(), ns, &name, call).await?;
-        replied_image(r.into_inner().image, &op)
+        let stored = self.guarded(&op, ns, &name, call).await?;
+        replied_image(stored, &op)
     }
 
     /// Sets `labels` on image `name` and touches nothing else (an empty
@@ -135,7 +148,7 @@ impl Containerd {
 
     /// Deletes an image; a missing one is not an error.
     pub async fn delete_image(&self, ns: &str, name: &str, sync: bool) -> Result<()> {
-        let op = || format!("Images.Delete {name} in {ns}");
+        let op = format!("Images.Delete {name} in {ns}");
         let call = async {
             match self
                 .images()
@@ -152,10 +165,13 @@ impl Containerd {
             {
                 Ok(_) => Ok(()),
                 Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
-                Err(status) => Err(Error::Status { op: op(), status }),
+                Err(status) => Err(Error::Status {
+                    op: op.clone(),
+                    status,
+                }),
             }
         };
-        self.guarded(op, ns, name, call).await
+        self.guarded(&op, ns, name, call).await
     }
 }
 

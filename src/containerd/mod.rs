@@ -132,7 +132,7 @@ impl Containerd {
     /// write a moment later, not never); after two, it is refused.
     pub(crate) async fn guarded<T>(
         &self,
-        op: impl FnOnce() -> String,
+        op: &str,
         ns: &str,
         item: &str,
         call: impl std::future::Future<Output = Result<T>>,
@@ -143,7 +143,10 @@ impl Containerd {
                 Err(breaker::Refusal::HeldBack { remaining }) => {
                     tokio::time::sleep(remaining).await;
                 }
-                Err(refusal) => return Err(Error::Refused { op: op(), refusal }),
+                Err(refusal) => {
+                    let op = op.to_string();
+                    return Err(Error::Refused { op, refusal });
+                }
             }
         }
         let r = call.await;
