@@ -981,16 +981,17 @@ impl Flavor {
         imgbridge::ops::doctor::native_config_version(self.semver).unwrap_or(4)
     }
 
-    /// The Transfer service exists from 1.7.
+    /// Has the Transfer service, as doctor says (1.7+): the tests that use
+    /// it then check that claim against the real containerd.
     pub fn has_transfer(&self) -> bool {
-        self.semver >= (1, 7, 0)
+        imgbridge::ops::doctor::ships_transfer(self.semver)
     }
 
-    /// CRI reports `io.cri-containerd.pinned` from 1.6.22 / 1.7.3 (a pin on
-    /// the named record alone counts only from 1.6.25 / 1.7.10).
+    /// CRI reports a pin on a named record, as doctor says (1.6.25+,
+    /// 1.7.10+, 2.x): the pin tests then check that claim against CRI.
     pub fn honours_pinned(&self) -> bool {
-        let v = self.semver;
-        v.0 >= 2 || (v.0, v.1) == (1, 7) && v.2 >= 10 || (v.0, v.1) == (1, 6) && v.2 >= 25
+        use imgbridge::ops::doctor::{pinned_support, PinnedSupport};
+        pinned_support(self.semver) == PinnedSupport::Full
     }
 
     /// PATH with this version's bin dir first.
