@@ -20,6 +20,11 @@
 //! bench_replication seqcopy  --containerd S [--prefix P]
 //!     The plain sequential copy: for each buildkit image named P*, read its
 //!     manifest, link each blob into k8s.io (STAT+COMMIT), create the record.
+//! bench_replication burst    --containerd S --proxy P --image NAME [--count 200] [--rounds 3] [--conns 20]
+//!     COUNT concurrent Images.Create of new names for NAME in buildkit,
+//!     spread over CONNS connections: directly vs through the proxy (each
+//!     replicated into k8s.io and confirmed through CRI). Total time per
+//!     burst and how many calls failed, with their errors.
 //! bench_replication clean    --containerd S --ns NS... [--keep PREFIX]...
 //!     Deletes every record (except the kept ones and what shares their
 //!     target) in the namespaces, the last one with a synchronous GC.
@@ -96,6 +101,7 @@ async fn main() -> Res<()> {
         "isolated" => isolated(&a, &c).await,
         "records" => records(&a, &c).await,
         "seqcopy" => seqcopy(&a, &c).await,
+        "burst" => burst(&a, &c).await,
         "clean" => {
             let keep = a.all("keep");
             let n = clean(&c, &a.all("ns"), &keep).await?;
@@ -159,6 +165,56 @@ async fn create_record(c: &Containerd, ns: &str, name: &str, target: &Descriptor
         },
     )
     .await?;
+    Ok(())
+}
+
+/// C: bursts of concurrent Images.Create, direct vs proxied.
+async fn burst(a: &Args, c: &Containerd) -> Res<()> {
+    let proxy = a.req("proxy")?;
+    let (_, target) = source_image(c, a.req("image")?).await?;
+    let count = a.num("count", 200)?;
+    let rounds = a.num("rounds", 3)?;
+    let conns = a.num("conns", 20)?.clamp(1, count.max(1));
+    let sockets = [a.req("containerd")?, proxy];
+    let keep = a.all("keep");
+    let mut t: [Vec<Duration>; 2] = Default::default();
+    let mut failed = [0usize; 2];
+    let mut errors: HashMap<String, usize> = HashMap::new();
+    for r in 0..rounds {
+        for v in round_order(&[0usize, 1], r) {
+            clean(c, &[SOURCE.to_string(), TARGET.to_string()], &keep).await?;
+            let clients: Vec<Containerd> =
+                (0..conns).map(|_| Containerd::new(sockets[v])).collect();
+            for cl in &clients {
+                cl.version().await?;
+            }
+            let tag = format!("{:x}", rand::random::<u32>());
+            let s = Instant::now();
+            let calls = (0..count).map(|i| {
+                let cl = &clients[i % conns];
+                let name = format!("burst-{v}-{tag}-{i}:x");
+                let target = &target;
+                async move { create_record(cl, SOURCE, &name, target).await }
+            });
+            let results = futures_util::future::join_all(calls).await;
+            t[v].push(s.elapsed());
+            for e in results.into_iter().filter_map(Result::err) {
+                failed[v] += 1;
+                let msg = e.to_string();
+                *errors.entry(msg.chars().take(160).collect()).or_default() += 1;
+            }
+        }
+    }
+    let (d, _, _) = stats(&t[0]);
+    let (p, _, _) = stats(&t[1]);
+    println!("RESULT burst_direct_ms {d:.0}");
+    println!("RESULT burst_proxy_ms {p:.0}");
+    println!("RESULT burst_ratio {:.2}", p / d);
+    println!("RESULT burst_direct_failed {}", failed[0]);
+    println!("RESULT burst_proxy_failed {}", failed[1]);
+    for (e, n) in errors {
+        println!("error ×{n}: {e}");
+    }
     Ok(())
 }
 

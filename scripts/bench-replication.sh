@@ -12,6 +12,10 @@
 #       warm = k8s.io already holds the blobs (a re-tag).
 #   A3  isolated content: replication as a byte copy vs raw Content.Write of
 #       as many bytes (fresh random blobs, same sizes).
+#   C   bursts of C_COUNT (200) concurrent Images.Create of new names for the
+#       10-layer image in buildkit, over 20 connections: direct vs proxied
+#       (each replicated into k8s.io and confirmed through CRI); total time
+#       and failed calls.
 #   B   `imgbridge sync` over 500 records: out of sync (images/s) and in sync
 #       (seconds, writes must be 0), vs a plain sequential copy.
 #
@@ -20,7 +24,7 @@
 #        A1_LAYER_MIB=4  A3_LAYER_MIB=64  B_IMAGES=500  B_TARGETS=10
 #        UNPACK=1 (also A1 with unpack)  KEEP=1 (keep the temp dir)
 #        IMGBRIDGE_BIN=path (benchmark another build; default target/release)
-#        ONLY=a1,a2,b,a3 (run a subset of the phases)
+#        ONLY=a1,a2,c,b,a3 (run a subset of the phases)  C_COUNT=200
 #        CACHE=dir (keep the built image archives there and reuse them)
 #        BASELINE_BIN=path (a second imgbridge build, run next to the first as
 #          one more alternating variant: before/after comparisons in one run)
@@ -36,7 +40,8 @@ A3_LAYER_MIB=${A3_LAYER_MIB:-64}
 B_IMAGES=${B_IMAGES:-500}
 B_TARGETS=${B_TARGETS:-10}
 UNPACK=${UNPACK:-1}
-ONLY=${ONLY:-a1,a2,b,a3}
+C_COUNT=${C_COUNT:-200}
+ONLY=${ONLY:-a1,a2,c,b,a3}
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
 
 if [ "$(id -u)" != 0 ]; then echo "bench-replication.sh needs root (it runs a private containerd)"; exit 1; fi
@@ -187,7 +192,7 @@ umoci init --layout "$T/oci-pause" >/dev/null
 umoci new --image "$T/oci-pause:p" >/dev/null
 umoci config --image "$T/oci-pause:p" --config.cmd /pause >/dev/null
 skopeo --insecure-policy copy -q "oci:$T/oci-pause:p" "docker-archive:$T/pause.tar:registry.k8s.io/pause:3.6"
-if want a1 || want b; then build_image bench/a1:latest 10 $((A1_LAYER_MIB << 20)) "$T/a1.tar"; fi
+if want a1 || want b || want c; then build_image bench/a1:latest 10 $((A1_LAYER_MIB << 20)) "$T/a1.tar"; fi
 if want a2; then build_image bench/a2:latest 50 65536 "$T/a2.tar"; fi
 if want a3; then build_image bench/a3:latest 4 $((A3_LAYER_MIB << 20)) "$T/a3.tar"; fi
 ls -lL "$T"/*.tar | awk '{printf "   %-40s %6.1f MiB\n", $NF, $5/1048576}'
@@ -245,6 +250,16 @@ ctr -a "$C" -n buildkit images import --no-unpack "$T/a2.tar" >/dev/null
 for f in a2cold a2warm; do
   grep '^RESULT' "$T/$f.out" | tr ' ' '\n' | grep = | sed "s/^/$f./; s/=/ /" >>"$RES"
 done
+clean --ns buildkit --ns k8s.io
+fi
+
+# ---------------------------------------------------------------- C
+if want c; then
+echo "== C: bursts of $C_COUNT concurrent Images.Create, $ROUNDS rounds per mode"
+ctr -a "$C" -n buildkit images import --no-unpack "$T/a1.tar" >/dev/null
+"$BENCH" burst --containerd "$C" --proxy "$P" --image docker.io/bench/a1:latest --count "$C_COUNT" --rounds "$ROUNDS" \
+  --keep registry.k8s.io/pause --keep docker.io/bench/a1 | tee "$T/c.out"
+grep '^RESULT' "$T/c.out" | sed 's/^RESULT /c./' >>"$RES"
 clean --ns buildkit --ns k8s.io
 fi
 
@@ -348,6 +363,12 @@ if want a2; then
   row "A2   containerd floor for the same links (ms)" "-" "$(fmt "$(get a2cold.floor_ms)")" "-" "(reference)" "-" "$(bl "")"
   row "A2 Create 50 layers, warm: re-tag (ms)" "$(fmt "$a2wd")" "$(fmt "$a2wp")" "+$(fmt "$a2wa")" "added <= 60 ms" "$(met "$a2wa" '<=' 60)" \
     "$(bl "$(fmt "$(get a2warm.base_ms)") (+$(fmt "$(get a2warm.base_added_ms)"))")"
+fi
+if want c; then
+  cr=$(get c.burst_ratio)
+  row "C $C_COUNT concurrent Creates: total (ms)" "$(fmt "$(get c.burst_direct_ms)")" "$(fmt "$(get c.burst_proxy_ms)")" "$cr" "ratio <= 2" "$(met "$cr" '<=' 2)" "$(bl "")"
+  cf=$(get c.burst_proxy_failed)
+  row "C   failed calls (direct / proxied)" "$(get c.burst_direct_failed)" "$cf" "-" "0 proxied" "$(met "$cf" '<=' 0)" "$(bl "")"
 fi
 if want a3; then
   row "A3 isolated copy vs raw Write x16 (MB/s)" "$(fmt "$a3raw")" "$(fmt "$a3cp")" "$a3r" "ratio >= 0.8" "$(met "$a3r" '>=' 0.8)" \

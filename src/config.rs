@@ -90,6 +90,10 @@ pub struct Replication {
     /// How long a blob missing in the source is waited for.
     #[serde(with = "duration")]
     pub pending_give_up: Duration,
+    /// A blob still missing after this long is logged as a WARN (once):
+    /// pods of its image cannot start until it is written.
+    #[serde(with = "duration")]
+    pub pending_warn_after: Duration,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -174,6 +178,7 @@ impl Default for Replication {
             timeout: Duration::from_secs(120),
             cri_wait: Duration::from_secs(5),
             pending_give_up: Duration::from_secs(30 * 60),
+            pending_warn_after: Duration::from_secs(60),
         }
     }
 }

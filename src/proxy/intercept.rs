@@ -6,6 +6,11 @@
 //! unary and is held: the request message goes to [`Hook::before`], is
 //! forwarded unchanged, and on upstream OK the response message goes to
 //! [`Hook::after`] before the original reply bytes are relayed.
+//!
+//! Streaming calls are never buffered, but the transport can watch one
+//! ([`Interceptor::watch`]): it shows the policy the head of each request
+//! message and, when asked, holds the replies that follow until the
+//! policy's future ends ([`StreamWatch`]).
 
 use std::future::Future;
 use std::marker::PhantomData;
@@ -30,6 +35,38 @@ pub type HookFuture<'a> = Pin<Box<dyn Future<Output = Result<(), tonic::Status>>
 pub trait Interceptor: Send + Sync + 'static {
     /// Called for every call; must be cheap because it sits on the data path.
     fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>>;
+
+    /// Called for every call [`Interceptor::select`] passed on; as cheap.
+    fn watch(&self, _call: &CallInfo) -> Option<Box<dyn StreamWatch>> {
+        None
+    }
+}
+
+/// Future that ends when held replies may go on. A watch never fails the
+/// call: the client sees containerd's answer, only later.
+pub type WatchFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// How many bytes of each request message a [`StreamWatch`] is shown: the
+/// fields policy reads come before any payload (protobuf encodes fields in
+/// number order, and every payload field of the watched calls is numbered
+/// after them).
+pub const WATCH_HEAD: usize = 1024;
+
+/// A streaming call watched message by message, never buffered.
+pub trait StreamWatch: Send {
+    /// The first [`WATCH_HEAD`] bytes (or all, if shorter) of one
+    /// uncompressed request message. `true` holds the replies from now on:
+    /// the next whole reply message goes to [`StreamWatch::reply`].
+    fn request(&mut self, head: &[u8]) -> bool;
+
+    /// The first reply message after a hold began. The call's frames (this
+    /// message and any after it) wait until the future ends; `None`
+    /// releases them at once.
+    fn reply(&mut self, message: Bytes) -> Option<WatchFuture>;
+
+    /// The call ended with `grpc_status` (`None`: no status). A future
+    /// holds the end (and anything still held) until it ends.
+    fn end(&mut self, grpc_status: Option<i32>) -> Option<WatchFuture>;
 }
 
 /// Work attached to one held call.

@@ -13,9 +13,10 @@ use containerd_client::services::v1::{
     UpdateImageResponse,
 };
 
+use super::commit::{WriteWatch, WRITE};
 use super::Replicator;
 use crate::containerd::Descriptor;
-use crate::proxy::intercept::{typed, CallInfo, Hook, HookFuture, Interceptor};
+use crate::proxy::intercept::{typed, CallInfo, Hook, HookFuture, Interceptor, StreamWatch};
 
 pub const CREATE: &str = "/containerd.services.images.v1.Images/Create";
 pub const UPDATE: &str = "/containerd.services.images.v1.Images/Update";
@@ -80,6 +81,17 @@ impl Interceptor for ImageHooks {
             })),
             _ => None,
         }
+    }
+
+    fn watch(&self, call: &CallInfo) -> Option<Box<dyn StreamWatch>> {
+        if &*call.method != WRITE {
+            return None;
+        }
+        let ns = call
+            .namespace
+            .as_deref()
+            .filter(|ns| self.r.is_source(ns))?;
+        Some(Box::new(WriteWatch::new(self.r.clone(), ns.to_string())))
     }
 }
 
@@ -149,6 +161,8 @@ impl Hook for TransferHook {
             for name in changed {
                 self.r.on_write(TRANSFER, &self.ns, &name).await?;
             }
+            // Blobs it fetched for images replicated earlier.
+            self.r.source_written(&self.ns).await;
             Ok(())
         })
     }

@@ -7,6 +7,7 @@
 //! and it plans read-only first, so a pass over images already in sync
 //! writes nothing.
 
+pub mod commit;
 pub mod hooks;
 mod locks;
 mod pending;
@@ -67,6 +68,7 @@ pub struct Settings {
     pub timeout: Duration,
     pub cri_wait: Duration,
     pub pending_give_up: Duration,
+    pub pending_warn_after: Duration,
 }
 
 impl From<&config::Replication> for Settings {
@@ -81,6 +83,7 @@ impl From<&config::Replication> for Settings {
             timeout: r.timeout,
             cri_wait: r.cri_wait,
             pending_give_up: r.pending_give_up,
+            pending_warn_after: r.pending_warn_after,
         }
     }
 }
@@ -267,6 +270,18 @@ impl Replicator {
     /// Number of blobs waiting to appear in a source namespace.
     pub fn pending_count(&self) -> usize {
         self.pending.count()
+    }
+
+    /// Whether a replica waits for `digest` to appear in `source`.
+    pub fn awaits(&self, source: &str, digest: &str) -> bool {
+        self.pending.awaits(source, digest)
+    }
+
+    /// Something wrote into `source` server-side (a Transfer pull): link
+    /// every pending blob of it that is there now, before the call returns.
+    pub async fn source_written(&self, source: &str) {
+        let digests = self.pending.digests(source);
+        futures_util::future::join_all(digests.iter().map(|d| self.committed(source, d))).await;
     }
 
     /// Starts the background linker for blobs that were missing.
@@ -505,7 +520,6 @@ impl Replicator {
                             target: target.into(),
                             image: image.into(),
                             child: child.clone(),
-                            since: Instant::now(),
                         });
                     }
                     configs.extend(v.config);
