@@ -9,7 +9,9 @@
 
 pub mod hooks;
 mod locks;
+pub mod observe;
 mod pending;
+pub mod span;
 pub mod tree;
 
 use std::collections::HashMap;
@@ -24,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, DeletePolicy, OnFailure};
 use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
-use crate::ops::metrics::{Metrics, Outcome as MetricOutcome};
 use crate::reference::Reference;
+use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
@@ -193,7 +195,7 @@ pub struct Replicator {
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
     shared: OnceCell<bool>,
-    metrics: std::sync::OnceLock<Arc<Metrics>>,
+    observer: std::sync::OnceLock<Arc<dyn ReplicationObserver>>,
     /// The runtime replications run on: the one that built the replicator,
     /// not the proxy's connection threads that trigger them.
     rt: Option<tokio::runtime::Handle>,
@@ -237,19 +239,19 @@ impl Replicator {
             nodes: Default::default(),
             cri: OnceCell::new(),
             shared: OnceCell::new(),
-            metrics: std::sync::OnceLock::new(),
+            observer: std::sync::OnceLock::new(),
             rt: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
-    /// Reports outcomes, latencies and pending work to `m`.
-    pub fn with_metrics(self: Arc<Self>, m: Arc<Metrics>) -> Arc<Self> {
-        let _ = self.metrics.set(m);
+    /// Reports outcomes, latencies and pending work to `o`.
+    pub fn with_observer(self: Arc<Self>, o: Arc<dyn ReplicationObserver>) -> Arc<Self> {
+        let _ = self.observer.set(o);
         self
     }
 
-    pub(crate) fn metrics(&self) -> Option<&Metrics> {
-        self.metrics.get().map(|m| &**m)
+    pub(crate) fn observer(&self) -> Option<&dyn ReplicationObserver> {
+        self.observer.get().map(|o| &**o)
     }
 
     pub fn settings(&self) -> &Settings {
@@ -292,21 +294,16 @@ impl Replicator {
                 self.replicate_into(source, target, name, wait_cri),
             )
             .await;
-            if let Some(m) = self.metrics() {
-                let outcome = match &r {
+            if let Some(obs) = self.observer() {
+                let attempt = match &r {
                     Ok(Ok(o)) if o.skipped || (o.writes == 0 && o.pending == 0) => {
-                        MetricOutcome::Skipped
+                        Attempt::Unchanged
                     }
-                    Ok(Ok(_)) => MetricOutcome::Ok,
-                    _ => MetricOutcome::Failed,
+                    Ok(Ok(_)) => Attempt::Changed,
+                    Ok(Err(e)) => Attempt::Failed(e),
+                    Err(_) => Attempt::Failed(&"timed out"),
                 };
-                m.replication(target, outcome, started.elapsed());
-                let key = format!("{source}/{name}");
-                match &r {
-                    Ok(Ok(_)) => m.clear_image_error(&key),
-                    Ok(Err(e)) => m.image_error(&key, target, e),
-                    Err(_) => m.image_error(&key, target, &"timed out"),
-                }
+                obs.replicated(source, name, target, attempt, started.elapsed());
             }
             match r {
                 Ok(Ok(o)) => total.absorb(o),
@@ -500,7 +497,7 @@ impl Replicator {
                     let v = r?;
                     if v.pending {
                         outcome.pending += 1;
-                        self.pending.add(pending::Item {
+                        self.pending.add(observe::PendingBlob {
                             source: source.into(),
                             target: target.into(),
                             image: image.into(),
@@ -762,8 +759,8 @@ impl Replicator {
             polls += 1;
             match self.c.cri_image_id(name).await {
                 Ok(Some(id)) if configs.contains(&id) => {
-                    if let Some(m) = self.metrics() {
-                        m.cri_wait(started.elapsed());
+                    if let Some(o) = self.observer() {
+                        o.cri_confirmed(started.elapsed());
                     }
                     return Ok(polls);
                 }
@@ -948,7 +945,7 @@ impl Replicator {
         use tracing::Instrument;
         let me = self.clone();
         let (src, n) = (source.to_string(), name.to_string());
-        let span = crate::ops::trace::InterceptSpan::new(method, source, name);
+        let span = span::InterceptSpan::new(method, source, name);
         // Detached: a caller that gives up must not leave a replica half done.
         let task =
             async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone());

@@ -5,24 +5,15 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::tree::Child;
+use super::observe::PendingBlob as Item;
 use super::Replicator;
 
 /// Poll interval: well under the 1 s promise, cheap (one Info per blob).
 const TICK: Duration = Duration::from_millis(200);
-
-#[derive(Clone, Debug)]
-pub struct Item {
-    pub source: String,
-    pub target: String,
-    pub image: String,
-    pub child: Child,
-    pub since: Instant,
-}
 
 #[derive(Default)]
 pub struct Pending {
@@ -67,14 +58,8 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
             _ = tokio::time::sleep(TICK) => {}
         }
         let items = r.pending.snapshot();
-        if let Some(m) = r.metrics() {
-            let images: std::collections::HashSet<_> =
-                items.iter().map(|i| (&i.source, &i.image)).collect();
-            m.set_pending(crate::ops::metrics::Pending {
-                blobs: items.len() as u64,
-                images: images.len() as u64,
-                ..m.pending()
-            });
+        if let Some(o) = r.observer() {
+            o.blobs_pending(&items);
         }
         for it in items {
             if it.since.elapsed() > r.s.pending_give_up {
