@@ -216,7 +216,7 @@ mod tests {
         };
         assert!(with_target(image(Some(partial)), "Images.Update").is_err());
         let full = Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            media_type: crate::labels::MediaType::ImageManifest.to_string(),
             digest: "sha256:ab".into(),
             size: 2,
             ..Default::default()

@@ -31,7 +31,8 @@ use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
-    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, EXPIRE, IMPORT, PINNED, PINNED_VALUE, SOURCE,
+    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, GC_REF_CONTENT, IMPORT,
+    PINNED, PINNED_VALUE, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
@@ -563,7 +564,7 @@ impl Replicator {
         if let Some(n) = &node {
             // Children must stay alive in the target even if the source blob
             // was written by a client that did not label it.
-            if !labels.keys().any(|k| k.starts_with(tree::GC_REF_PREFIX)) {
+            if !labels.keys().any(|k| k.starts_with(GC_REF_CONTENT)) {
                 labels.extend(n.gc_labels());
             }
         }
@@ -688,7 +689,7 @@ impl Replicator {
         let mut labels: HashMap<String, String> = image
             .labels
             .iter()
-            .filter(|(k, _)| k.as_str() != EXPIRE && !k.starts_with("io.cri-containerd."))
+            .filter(|(k, _)| k.as_str() != EXPIRE && !k.starts_with(CRI_PREFIX))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         labels.insert(SOURCE.into(), source.into());
