@@ -81,14 +81,15 @@ pub async fn serve(
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
     let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication))
-        .with_metrics(ops.metrics.clone());
+        .with_observer(ops.metrics.clone());
     tasks.push(replicator.start(stop.clone()));
     if config.reconcile.enabled {
-        let first_pass = ops.readiness.gate("first reconcile");
+        // Counted first, then /readyz opens (the gate stays open after).
+        let first_pass = Arc::new(ops.readiness.gate("first reconcile"));
         tasks.push(tokio::spawn(crate::reconcile::run(
             replicator.clone(),
             config.reconcile.events,
-            first_pass,
+            vec![ops.metrics.clone(), first_pass],
             stop.clone(),
         )));
     }

@@ -1,24 +1,72 @@
-//! Labels imgbridge reads or writes on image records, and who owns a pin.
-//! One place, because the replicator and the importer both pin records in
-//! `k8s.io` and must agree on which pin is whose.
+//! Label keys and media types imgbridge reads or writes: one place, so the
+//! replicator, the importer and `doctor` agree on every key, and on which
+//! pin is whose (both pin records in `k8s.io`).
+//!
+//! OCI media types come from `oci-spec` ([`MediaType`]); Docker's, which it
+//! has no constants for, are in [`media_type`].
 
 use std::collections::HashMap;
 
+pub use oci_spec::image::MediaType;
+
 /// The namespace CRI (kubelet) reads.
 pub const CRI_NAMESPACE: &str = "k8s.io";
+
+// ---- imgbridge's own ---------------------------------------------------
+
 /// Names the source namespace of a replica; only such records are ever
 /// unpinned or deleted by the replicator.
 pub const SOURCE: &str = "io.imgbridge.source";
 /// Sources (path hashes) of watched files that pinned the record.
 pub const IMPORT: &str = "io.imgbridge.import";
+
+// ---- CRI's (containerd's CRI plugin) -------------------------------------
+
+/// Prefix of the labels CRI owns on image records; never copied to a
+/// replica (CRI sets them itself once it manages the record).
+pub const CRI_PREFIX: &str = "io.cri-containerd.";
 /// CRI's pin label (honoured by containerd ≥ 1.6.22 / 1.7.3).
 pub const PINNED: &str = "io.cri-containerd.pinned";
 pub const PINNED_VALUE: &str = "pinned";
 /// Set by CRI once it manages a record; cleared when the digest changes so
 /// CRI re-reads the image (reference §5).
 pub const CRI_MANAGED: &str = "io.cri-containerd.image";
+
+// ---- containerd's ------------------------------------------------------
+
 /// containerd's lease-style expiry label; never copied to a replica.
-pub use crate::containerd::leases::EXPIRE;
+pub const EXPIRE: &str = "containerd.io/gc.expire";
+/// Prefix of the GC references from a parent blob to its children
+/// (`<prefix>.m.<i>`, `<prefix>.config`, `<prefix>.l.<i>`, as
+/// `images.ChildGCLabels` writes them).
+pub const GC_REF_CONTENT: &str = "containerd.io/gc.ref.content";
+/// Namespace label naming the namespace's default snapshotter.
+pub const DEFAULT_SNAPSHOTTER: &str = "containerd.io/defaults/snapshotter";
+
+/// Docker media types (schema 2). `oci-spec` maps four of them from OCI ones
+/// (`ToDockerV2S2`, a `Result`), not the uncompressed and zstd layers, and
+/// none as constants; the test below checks these agree with it.
+pub mod media_type {
+    pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+    pub const DOCKER_MANIFEST_LIST: &str =
+        "application/vnd.docker.distribution.manifest.list.v2+json";
+    pub const DOCKER_CONFIG: &str = "application/vnd.docker.container.image.v1+json";
+    pub const DOCKER_LAYER: &str = "application/vnd.docker.image.rootfs.diff.tar";
+    pub const DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
+    pub const DOCKER_LAYER_ZSTD: &str = "application/vnd.docker.image.rootfs.diff.tar.zstd";
+
+    use super::MediaType;
+
+    /// True for an index (OCI index, Docker manifest list).
+    pub fn is_index(media_type: &str) -> bool {
+        media_type == DOCKER_MANIFEST_LIST || media_type == MediaType::ImageIndex.as_ref()
+    }
+
+    /// True for an image manifest (OCI or Docker schema 2).
+    pub fn is_manifest(media_type: &str) -> bool {
+        media_type == DOCKER_MANIFEST || media_type == MediaType::ImageManifest.as_ref()
+    }
+}
 
 /// Who holds a record's CRI pin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,5 +112,24 @@ mod tests {
             PinOwner::Import
         );
         assert_eq!(pin_owner(&labels(&[PINNED, IMPORT])), PinOwner::Import);
+    }
+
+    #[test]
+    fn docker_media_types_agree_with_oci_spec() {
+        use media_type::*;
+        use oci_spec::image::ToDockerV2S2;
+        for (oci, docker) in [
+            (MediaType::ImageIndex, DOCKER_MANIFEST_LIST),
+            (MediaType::ImageManifest, DOCKER_MANIFEST),
+            (MediaType::ImageConfig, DOCKER_CONFIG),
+            (MediaType::ImageLayerGzip, DOCKER_LAYER_GZIP),
+        ] {
+            assert_eq!(oci.to_docker_v2s2().unwrap(), docker);
+        }
+        assert_eq!(format!("{DOCKER_LAYER}.gzip"), DOCKER_LAYER_GZIP);
+        assert_eq!(format!("{DOCKER_LAYER}.zstd"), DOCKER_LAYER_ZSTD);
+        assert!(is_index("application/vnd.oci.image.index.v1+json"));
+        assert!(is_manifest("application/vnd.oci.image.manifest.v1+json"));
+        assert!(!is_manifest(DOCKER_CONFIG) && !is_index(DOCKER_MANIFEST));
     }
 }

@@ -2,7 +2,11 @@
 //! build namespaces (e.g. `buildkit`) into `k8s.io` before the write returns.
 //!
 //! Layout: [`proxy`] is transport only; [`replicate`] owns the replication
-//! contract; [`containerd`] wraps the typed API; [`app`] wires them together.
+//! contract; [`reconcile`] and [`import`] feed it or write images themselves;
+//! [`containerd`] wraps the typed API; [`labels`] holds every label key and
+//! media type; [`app`] wires them together. Only [`ops`] knows about metrics
+//! and readiness: the other modules report through observer traits they own,
+//! which `ops` implements.
 
 pub mod app;
 pub mod config;

@@ -7,6 +7,18 @@
 //! - `foo/bar` → `docker.io/foo/bar:latest`
 //! - `reg:5000/x:y` → unchanged
 //! - `foo:1@sha256:…` → `docker.io/library/foo@sha256:…` (a digest wins over a tag)
+//!
+//! Hand-written on purpose. The well-kept candidate, `oci-spec`'s
+//! `distribution::Reference` (0.10, a port of distribution's `reference`
+//! package), differs from `ParseDockerRef` where it matters to CRI lookups
+//! (checked in `tests::where_oci_spec_differs`): it keeps the tag next to a
+//! digest (CRI drops it), accepts a 64-hex image id as a name, files an
+//! uppercase first component (`Reg/x`) under `docker.io` instead of treating
+//! it as a host, accepts uppercase digest hex (containerd rejects it), and
+//! rejects bracketed IPv6 registries (`[::1]:5000/x`). A replica named
+//! differently from what kubelet asks for is invisible to it, so this file
+//! follows `ParseDockerRef` and its tests, rather than wrap the crate in as
+//! many fix-ups as it has lines.
 
 use std::fmt;
 
@@ -316,6 +328,33 @@ mod tests {
         assert!(matches!(normalize(&long), Err(ReferenceError::TooLong(_))));
         let tag = format!("x:{}", "t".repeat(129));
         assert!(normalize(&tag).is_err());
+    }
+
+    /// The inputs where `oci-spec`'s parser (the crate this file could use)
+    /// and `ParseDockerRef` disagree: ours must give docker's answer. The
+    /// `oci-spec` half fails once the crate changes, a cue to look again.
+    #[test]
+    fn where_oci_spec_differs() {
+        use oci_spec::distribution::Reference as Oci;
+        let oci = |s: &str| Oci::try_from(s).map(|r| r.whole());
+        // Tag and digest: CRI names the record by the digest alone.
+        let both = format!("reg:5000/foo:1@{D}");
+        assert_eq!(normalize(&both).unwrap(), format!("reg:5000/foo@{D}"));
+        assert_eq!(oci(&both).unwrap(), both);
+        // An image id is not a name.
+        let id = &D["sha256:".len()..];
+        assert!(normalize(id).is_err());
+        assert!(oci(id).is_ok());
+        // An uppercase first component is a host.
+        assert_eq!(normalize("Reg/x").unwrap(), "Reg/x:latest");
+        assert_eq!(oci("Reg/x").unwrap(), "docker.io/Reg/x:latest");
+        // containerd accepts lowercase digest hex only.
+        let upper = format!("foo@sha256:{}", D["sha256:".len()..].to_uppercase());
+        assert!(normalize(&upper).is_err());
+        assert!(oci(&upper).is_ok());
+        // Bracketed IPv6 registries.
+        assert_eq!(normalize("[::1]:5000/x:y").unwrap(), "[::1]:5000/x:y");
+        assert!(oci("[::1]:5000/x:y").is_err());
     }
 
     #[test]

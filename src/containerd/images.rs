@@ -53,7 +53,7 @@ impl Containerd {
 
     /// Update; an empty `mask` replaces the whole record (labels and target).
     /// `image` is always the whole record, even when the mask names only
-    /// labels: see [`with_target`].
+    /// labels: see `with_target`.
     pub async fn update_image(&self, ns: &str, image: Image, mask: Vec<String>) -> Result<Image> {
         let op = format!("Images.Update {} in {ns}", image.name);
         self.write_record(op, ns, image, |mut c, image| async move {
@@ -100,7 +100,7 @@ impl Containerd {
     /// The request carries the current record (name, target, labels) with
     /// the changes applied, and a mask naming only the changed labels: the
     /// mask keeps a target that moved since the read, and the target keeps
-    /// containerd 1.7/2.x alive (see [`with_target`]). Callers serialise
+    /// containerd 1.7/2.x alive (see `with_target`). Callers serialise
     /// writes to one record (the replicator's per-name lock, the importer's
     /// single task), so the labels read here are the ones being changed.
     pub async fn update_image_labels(
@@ -216,7 +216,7 @@ mod tests {
         };
         assert!(with_target(image(Some(partial)), "Images.Update").is_err());
         let full = Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            media_type: crate::labels::MediaType::ImageManifest.to_string(),
             digest: "sha256:ab".into(),
             size: 2,
             ..Default::default()

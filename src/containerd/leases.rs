@@ -8,9 +8,9 @@ use containerd_client::services::v1::{AddResourceRequest, CreateRequest, DeleteR
 
 use super::{request, Containerd, Error, Result};
 
-/// Label that makes containerd's GC drop the lease after a deadline, so a
-/// crashed imgbridge never leaks content.
-pub const EXPIRE: &str = "containerd.io/gc.expire";
+/// Makes containerd's GC drop the lease after a deadline, so a crashed
+/// imgbridge never leaks content.
+use crate::labels::EXPIRE;
 
 impl Containerd {
     /// Creates a lease in `ns` that expires after `ttl` even if never deleted.

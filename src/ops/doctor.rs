@@ -41,7 +41,7 @@ pub const CONFIG_PATHS: &[&str] = &[
 ];
 
 /// Namespace label that sets the snapshotter clients default to there.
-const NS_SNAPSHOTTER_LABEL: &str = "containerd.io/defaults/snapshotter";
+use crate::labels::DEFAULT_SNAPSHOTTER as NS_SNAPSHOTTER_LABEL;
 /// containerd's (and buildkit's containerd worker's) snapshotter on Linux
 /// when nothing chooses another.
 const DEFAULT_SNAPSHOTTER: &str = "overlayfs";

@@ -13,11 +13,11 @@
 //! | `proxy_calls_total` | counter | `method`, `grpc_status` | proxy ([`CallObserver`]) |
 //! | `proxy_streams_in_flight` | gauge | | proxy |
 //! | `proxy_relayed_bytes_total` | counter | | proxy (response DATA bytes, containerd → client) |
-//! | `replications_total` | counter | `outcome`, `target` | [`Metrics::replication`] |
-//! | `replication_duration_seconds` | histogram | | [`Metrics::replication`] |
-//! | `cri_wait_duration_seconds` | histogram | | [`Metrics::cri_wait`] |
-//! | `pending_blobs` | gauge | | [`Metrics::set_pending`] |
-//! | `reconcile_passes_total` | counter | `outcome` | [`Metrics::reconcile_pass`] |
+//! | `replications_total` | counter | `outcome`, `target` | replicator ([`ReplicationObserver`]) |
+//! | `replication_duration_seconds` | histogram | | replicator |
+//! | `cri_wait_duration_seconds` | histogram | | replicator |
+//! | `pending_blobs` | gauge | | replicator |
+//! | `reconcile_passes_total` | counter | `outcome` | reconciler ([`PassObserver`]) |
 //! | `imported_files_total` | counter | `outcome` | importer ([`ImportObserver`]) |
 //! | `pins_total` / `unpins_total` | counter | | importer |
 //! | `build_info` | info (=1) | `version`, `commit` | at start |
@@ -40,6 +40,8 @@ use serde::Serialize;
 use crate::containerd::breaker::{BreakObserver, Broken};
 use crate::import::{Count, ImportObserver};
 use crate::proxy::observe::CallObserver;
+use crate::reconcile::{PassObserver, Report};
+use crate::replicate::observe::{Attempt, PendingBlob, ReplicationObserver};
 
 /// Most distinct `(method, grpc_status)` series kept; further new methods are
 /// counted as `method="other"` so a misbehaving client cannot blow up the
@@ -89,6 +91,10 @@ impl Display for Outcome {
         f.write_str(self.as_str())
     }
 }
+
+/// How many pending blobs `/status` lists (oldest first): enough to see
+/// what is stuck, bounded however many an index's other platforms leave.
+pub const PENDING_LISTED: usize = 100;
 
 /// Work not finished yet, as `/status` shows it. Set as a whole with
 /// [`Metrics::set_pending`] by whoever owns the queue.
@@ -160,6 +166,8 @@ pub struct Metrics {
     pins: Counter,
     unpins: Counter,
     pending: Mutex<Pending>,
+    /// The oldest pending blobs, for `/status`.
+    pending_list: Mutex<Vec<PendingBlob>>,
     image_errors: Mutex<HashMap<String, LastError>>,
     file_errors: Mutex<HashMap<String, LastError>>,
     broken_calls: Family<OutcomeLabels, Counter>,
@@ -194,6 +202,7 @@ impl Metrics {
             pins: Counter::default(),
             unpins: Counter::default(),
             pending: Mutex::new(Pending::default()),
+            pending_list: Mutex::new(Vec::new()),
             image_errors: Mutex::new(HashMap::new()),
             file_errors: Mutex::new(HashMap::new()),
             broken_calls: Family::default(),
@@ -309,6 +318,11 @@ impl Metrics {
         *lock(&self.pending) = pending;
     }
 
+    /// The oldest pending blobs (at most [`PENDING_LISTED`]), with ages.
+    pub fn pending_blobs(&self) -> Vec<PendingBlob> {
+        lock(&self.pending_list).clone()
+    }
+
     /// The current pending-work summary.
     pub fn pending(&self) -> Pending {
         lock(&self.pending).clone()
@@ -357,6 +371,59 @@ impl Metrics {
     /// Last errors per file, as `/status` shows them.
     pub fn file_errors(&self) -> HashMap<String, LastError> {
         lock(&self.file_errors).clone()
+    }
+}
+
+/// The replicator's side: one call per image and target attempted, per CRI
+/// confirmation, and the pending set about every 200 ms.
+impl ReplicationObserver for Metrics {
+    fn replicated(
+        &self,
+        source: &str,
+        name: &str,
+        target: &str,
+        attempt: Attempt<'_>,
+        elapsed: Duration,
+    ) {
+        let outcome = match attempt {
+            Attempt::Changed => Outcome::Ok,
+            Attempt::Unchanged => Outcome::Skipped,
+            Attempt::Failed(_) => Outcome::Failed,
+        };
+        self.replication(target, outcome, elapsed);
+        let key = format!("{source}/{name}");
+        match attempt {
+            Attempt::Failed(e) => self.image_error(&key, target, e),
+            Attempt::Changed | Attempt::Unchanged => self.clear_image_error(&key),
+        }
+    }
+
+    fn cri_confirmed(&self, elapsed: Duration) {
+        self.cri_wait(elapsed);
+    }
+
+    fn blobs_pending(&self, blobs: &[PendingBlob]) {
+        let images: std::collections::HashSet<_> = blobs
+            .iter()
+            .flat_map(|b| b.images.iter().map(move |i| (&b.source, i)))
+            .collect();
+        self.set_pending(Pending {
+            blobs: blobs.len() as u64,
+            images: images.len() as u64,
+            ..self.pending()
+        });
+        *lock(&self.pending_list) = blobs.iter().take(PENDING_LISTED).cloned().collect();
+    }
+}
+
+/// The reconciler's side: one call per full pass.
+impl PassObserver for Metrics {
+    fn pass_done(&self, report: &Report) {
+        self.reconcile_pass(if report.failed.is_empty() {
+            Outcome::Ok
+        } else {
+            Outcome::Failed
+        });
     }
 }
 
@@ -613,6 +680,64 @@ mod tests {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
         assert_eq!(m.pending().images, 1);
+    }
+
+    /// What the replicator and reconciler report lands in the same series
+    /// and `/status` fields they used to set directly.
+    #[test]
+    fn replication_and_pass_reports_map_to_outcomes_and_status() {
+        let m = Metrics::new();
+        let d = Duration::from_millis(1);
+        m.replicated("buildkit", "a:1", "k8s.io", Attempt::Failed(&"boom"), d);
+        assert_eq!(m.image_errors()["buildkit/a:1"].context, "k8s.io");
+        m.replicated("buildkit", "a:1", "k8s.io", Attempt::Unchanged, d);
+        assert!(m.image_errors().is_empty());
+        m.replicated("buildkit", "b:1", "k8s.io", Attempt::Changed, d);
+        m.cri_confirmed(d);
+        let blob = |image: &str, digest: &str| PendingBlob {
+            source: "buildkit".into(),
+            digest: digest.into(),
+            images: vec![image.into()],
+            targets: vec!["k8s.io".into()],
+            age_seconds: 3,
+        };
+        m.set_pending(Pending {
+            files: 4,
+            ..Pending::default()
+        });
+        m.blobs_pending(&[
+            blob("a:1", "sha256:1"),
+            blob("a:1", "sha256:2"),
+            blob("b:1", "sha256:1"),
+        ]);
+        assert_eq!(
+            m.pending(),
+            Pending {
+                blobs: 3,
+                images: 2,
+                files: 4
+            }
+        );
+        assert_eq!(m.pending_blobs().len(), 3);
+        assert_eq!(m.pending_blobs()[0].age_seconds, 3);
+        m.pass_done(&Report::default());
+        m.pass_done(&Report {
+            failed: vec![("buildkit/x".into(), "e".into())],
+            ..Report::default()
+        });
+        let text = m.encode();
+        for line in [
+            "imgbridge_replications_total{outcome=\"failed\",target=\"k8s.io\"} 1",
+            "imgbridge_replications_total{outcome=\"skipped\",target=\"k8s.io\"} 1",
+            "imgbridge_replications_total{outcome=\"ok\",target=\"k8s.io\"} 1",
+            "imgbridge_replication_duration_seconds_count 3",
+            "imgbridge_cri_wait_duration_seconds_count 1",
+            "imgbridge_pending_blobs 3",
+            "imgbridge_reconcile_passes_total{outcome=\"ok\"} 1",
+            "imgbridge_reconcile_passes_total{outcome=\"failed\"} 1",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
     }
 
     #[test]

@@ -7,15 +7,20 @@
 //!   passes, pins, pending work and last errors (see [`metrics::Metrics`]);
 //! - `ops.readiness` ([`Readiness`]): register a [`Gate`] that keeps
 //!   `/readyz` at 503 until the work it stands for is done (the reconciler's
-//!   first pass);
-//! - [`trace::InterceptSpan`]: the tracing span for an intercepted call.
+//!   first pass; a [`Gate`] is a `reconcile::PassObserver` that opens on
+//!   the first pass).
+//!
+//! The other modules never call into `ops`: they report through observer
+//! traits they own (`proxy::observe::CallObserver`,
+//! `replicate::observe::ReplicationObserver`, `reconcile::PassObserver`,
+//! `import::ImportObserver`, `containerd::breaker::BreakObserver`), which
+//! [`Metrics`] (and [`Gate`]) implement.
 
 pub mod activation;
 pub mod doctor;
 pub mod http;
 pub mod logging;
 pub mod metrics;
-pub mod trace;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -111,6 +116,7 @@ impl Ops {
             },
             config: (*self.config).clone(),
             pending: self.metrics.pending(),
+            pending_blobs: self.metrics.pending_blobs(),
             stopped_calls: self.metrics.stopped_calls(),
             last_errors: LastErrors {
                 images: self.metrics.image_errors().into_iter().collect(),
@@ -134,6 +140,8 @@ pub struct Status {
     /// The effective configuration (file + flags).
     pub config: Config,
     pub pending: Pending,
+    /// Blobs replicas wait for, oldest first, with their age.
+    pub pending_blobs: Vec<crate::replicate::observe::PendingBlob>,
     /// Writes that broke containerd's connection twice: not sent again
     /// until imgbridge restarts (see `containerd::breaker`).
     pub stopped_calls: Vec<crate::containerd::breaker::Broken>,
@@ -199,6 +207,14 @@ impl Gate {
     /// Marks the condition met (idempotent; gates never close again).
     pub fn open(&self) {
         self.readiness.lock().insert(self.name.clone(), true);
+    }
+}
+
+/// The "first reconcile" gate: open once any pass ended, failed images or
+/// not (they are in `/status`; readiness means "caught up once").
+impl crate::reconcile::PassObserver for Gate {
+    fn pass_done(&self, _: &crate::reconcile::Report) {
+        self.open();
     }
 }
 

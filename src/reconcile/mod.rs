@@ -13,8 +13,6 @@ use prost::Message;
 use tokio_util::sync::CancellationToken;
 
 use crate::containerd::request;
-use crate::ops::metrics::Outcome;
-use crate::ops::Gate;
 use crate::replicate::Replicator;
 
 /// Images replicated at once during a pass.
@@ -27,6 +25,14 @@ const BARRIER_TOPIC: &str = "/imgbridge/subscribed";
 /// How long a pass waits for the subscription to be live before it runs
 /// anyway (then writes in between wait for the next pass).
 const BARRIER_WAIT: Duration = Duration::from_secs(5);
+
+/// Receives the end of every pass: `ops::Metrics` counts it, the readiness
+/// gate `ops` registered for the first pass opens on it. The reconciler only
+/// reports, as the replicator, the proxy and the importer do.
+pub trait PassObserver: Send + Sync + 'static {
+    /// A full pass ended (`report.failed` is empty when every image was fine).
+    fn pass_done(&self, report: &Report);
+}
 
 /// Result of one pass.
 #[derive(Debug, Default)]
@@ -77,8 +83,13 @@ pub async fn pass(r: &Replicator) -> Report {
 
 /// Keeps targets in sync until `shutdown`: pass, subscribe, follow events;
 /// on any break (containerd restart) wait for it, pass again, resubscribe.
-/// `first_pass` opens after the first completed pass (readiness).
-pub async fn run(r: Arc<Replicator>, events: bool, first_pass: Gate, shutdown: CancellationToken) {
+/// Every pass is reported to `observers`, in order.
+pub async fn run(
+    r: Arc<Replicator>,
+    events: bool,
+    observers: Vec<Arc<dyn PassObserver>>,
+    shutdown: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(50);
     loop {
         if shutdown.is_cancelled() {
@@ -103,14 +114,9 @@ pub async fn run(r: Arc<Replicator>, events: bool, first_pass: Gate, shutdown: C
         let sub = sub.map(|task| (task.abort_handle(), task));
         let report = pass(&r).await;
         log_report(&report);
-        if let Some(m) = r.metrics() {
-            m.reconcile_pass(if report.failed.is_empty() {
-                Outcome::Ok
-            } else {
-                Outcome::Failed
-            });
+        for o in &observers {
+            o.pass_done(&report);
         }
-        first_pass.open();
         match sub {
             Some((abort, task)) => {
                 let followed = async {

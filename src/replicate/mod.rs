@@ -10,7 +10,9 @@
 pub mod commit;
 pub mod hooks;
 mod locks;
+pub mod observe;
 mod pending;
+pub mod span;
 pub mod tree;
 
 use std::collections::HashMap;
@@ -25,12 +27,13 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, DeletePolicy, OnFailure};
 use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
-use crate::ops::metrics::{Metrics, Outcome as MetricOutcome};
 use crate::reference::Reference;
+use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
-    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, EXPIRE, IMPORT, PINNED, PINNED_VALUE, SOURCE,
+    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, GC_REF_CONTENT, IMPORT,
+    PINNED, PINNED_VALUE, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
@@ -196,7 +199,7 @@ pub struct Replicator {
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
     shared: OnceCell<bool>,
-    metrics: std::sync::OnceLock<Arc<Metrics>>,
+    observer: std::sync::OnceLock<Arc<dyn ReplicationObserver>>,
     /// The runtime replications run on: the one that built the replicator,
     /// not the proxy's connection threads that trigger them.
     rt: Option<tokio::runtime::Handle>,
@@ -240,19 +243,19 @@ impl Replicator {
             nodes: Default::default(),
             cri: OnceCell::new(),
             shared: OnceCell::new(),
-            metrics: std::sync::OnceLock::new(),
+            observer: std::sync::OnceLock::new(),
             rt: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
-    /// Reports outcomes, latencies and pending work to `m`.
-    pub fn with_metrics(self: Arc<Self>, m: Arc<Metrics>) -> Arc<Self> {
-        let _ = self.metrics.set(m);
+    /// Reports outcomes, latencies and pending work to `o`.
+    pub fn with_observer(self: Arc<Self>, o: Arc<dyn ReplicationObserver>) -> Arc<Self> {
+        let _ = self.observer.set(o);
         self
     }
 
-    pub(crate) fn metrics(&self) -> Option<&Metrics> {
-        self.metrics.get().map(|m| &**m)
+    pub(crate) fn observer(&self) -> Option<&dyn ReplicationObserver> {
+        self.observer.get().map(|o| &**o)
     }
 
     pub fn settings(&self) -> &Settings {
@@ -307,21 +310,16 @@ impl Replicator {
                 self.replicate_into(source, target, name, wait_cri),
             )
             .await;
-            if let Some(m) = self.metrics() {
-                let outcome = match &r {
+            if let Some(obs) = self.observer() {
+                let attempt = match &r {
                     Ok(Ok(o)) if o.skipped || (o.writes == 0 && o.pending == 0) => {
-                        MetricOutcome::Skipped
+                        Attempt::Unchanged
                     }
-                    Ok(Ok(_)) => MetricOutcome::Ok,
-                    _ => MetricOutcome::Failed,
+                    Ok(Ok(_)) => Attempt::Changed,
+                    Ok(Err(e)) => Attempt::Failed(e),
+                    Err(_) => Attempt::Failed(&"timed out"),
                 };
-                m.replication(target, outcome, started.elapsed());
-                let key = format!("{source}/{name}");
-                match &r {
-                    Ok(Ok(_)) => m.clear_image_error(&key),
-                    Ok(Err(e)) => m.image_error(&key, target, e),
-                    Err(_) => m.image_error(&key, target, &"timed out"),
-                }
+                obs.replicated(source, name, target, attempt, started.elapsed());
             }
             match r {
                 Ok(Ok(o)) => total.absorb(o),
@@ -580,7 +578,7 @@ impl Replicator {
         if let Some(n) = &node {
             // Children must stay alive in the target even if the source blob
             // was written by a client that did not label it.
-            if !labels.keys().any(|k| k.starts_with(tree::GC_REF_PREFIX)) {
+            if !labels.keys().any(|k| k.starts_with(GC_REF_CONTENT)) {
                 labels.extend(n.gc_labels());
             }
         }
@@ -705,7 +703,7 @@ impl Replicator {
         let mut labels: HashMap<String, String> = image
             .labels
             .iter()
-            .filter(|(k, _)| k.as_str() != EXPIRE && !k.starts_with("io.cri-containerd."))
+            .filter(|(k, _)| k.as_str() != EXPIRE && !k.starts_with(CRI_PREFIX))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         labels.insert(SOURCE.into(), source.into());
@@ -776,8 +774,8 @@ impl Replicator {
             polls += 1;
             match self.c.cri_image_id(name).await {
                 Ok(Some(id)) if configs.contains(&id) => {
-                    if let Some(m) = self.metrics() {
-                        m.cri_wait(started.elapsed());
+                    if let Some(o) = self.observer() {
+                        o.cri_confirmed(started.elapsed());
                     }
                     return Ok(polls);
                 }
@@ -962,7 +960,7 @@ impl Replicator {
         use tracing::Instrument;
         let me = self.clone();
         let (src, n) = (source.to_string(), name.to_string());
-        let span = crate::ops::trace::InterceptSpan::new(method, source, name);
+        let span = span::InterceptSpan::new(method, source, name);
         // Detached: a caller that gives up must not leave a replica half done.
         let task =
             async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone());

@@ -42,16 +42,7 @@ pub struct Item {
     pub child: Child,
 }
 
-/// A pending blob as `/status` lists it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct Blob {
-    pub source: String,
-    pub digest: String,
-    /// The images waiting for it (first seen first).
-    pub images: Vec<String>,
-    pub targets: Vec<String>,
-    pub age_seconds: u64,
-}
+pub use super::observe::PendingBlob as Blob;
 
 type Key = (String, String);
 
@@ -389,16 +380,7 @@ pub async fn run(r: Arc<Replicator>, shutdown: CancellationToken) {
 }
 
 fn report(r: &Replicator) {
-    if let Some(m) = r.metrics() {
-        let list = r.pending.list();
-        let images: std::collections::HashSet<_> = list
-            .iter()
-            .flat_map(|b| b.images.iter().map(move |i| (&b.source, i)))
-            .collect();
-        m.set_pending(crate::ops::metrics::Pending {
-            blobs: list.len() as u64,
-            images: images.len() as u64,
-            ..m.pending()
-        });
+    if let Some(o) = r.observer() {
+        o.blobs_pending(&r.pending.list());
     }
 }

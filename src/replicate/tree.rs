@@ -1,22 +1,52 @@
 //! The image tree: which blobs an index or manifest points to, and the GC
 //! labels that keep those children alive in a namespace.
+//!
+//! Indexes and manifests are parsed with `oci-spec`'s types (Docker's schema 2
+//! manifest and manifest list have the same shape). They validate more than
+//! the hand-written parser they replace: descriptors need a `mediaType`, a
+//! well-formed digest and a non-negative size, and a manifest needs
+//! `config` and `layers` (the tests below list where the two differ).
+//!
+//! Cost, measured (release build, 50 000 parses each, this parse against the
+//! old serde struct that read only the children): a 1.2 KiB buildkit index
+//! (2 platforms + 2 attestations) 5.8 µs against 1.0 µs, a 2.2 KiB manifest
+//! with 12 layers 9.2 µs against 2.4 µs (3.0 and 5.4 µs when the shape is
+//! known and the `serde_json::Value` step is skipped). A document is parsed
+//! once per digest (`Replicator::nodes` caches it) and replicating it costs
+//! gRPC round trips to containerd per blob, so the difference does not show.
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
+use oci_spec::image::{Descriptor, ImageIndex, ImageManifest};
+
+use crate::labels::{media_type, GC_REF_CONTENT};
 
 /// Largest index/manifest imgbridge parses (real ones are a few KiB).
 pub const MAX_MANIFEST: usize = 4 << 20;
 
-pub const GC_REF_PREFIX: &str = "containerd.io/gc.ref.content";
-
-/// A child blob.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+/// A child blob, as containerd's API describes it (signed size).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Child {
-    #[serde(rename = "mediaType", default)]
     pub media_type: String,
     pub digest: String,
     pub size: i64,
+}
+
+impl TryFrom<&Descriptor> for Child {
+    type Error = serde_json::Error;
+
+    fn try_from(d: &Descriptor) -> Result<Child, serde_json::Error> {
+        Ok(Child {
+            media_type: d.media_type().to_string(),
+            digest: d.digest().to_string(),
+            size: i64::try_from(d.size()).map_err(|_| {
+                <serde_json::Error as serde::de::Error>::custom(format!(
+                    "blob {} is larger than containerd can describe",
+                    d.digest()
+                ))
+            })?,
+        })
+    }
 }
 
 /// The parsed part of an index or manifest that replication needs.
@@ -29,34 +59,32 @@ pub struct Node {
     pub layers: Vec<Child>,
 }
 
-#[derive(Deserialize)]
-struct Raw {
-    #[serde(default)]
-    manifests: Vec<Child>,
-    config: Option<Child>,
-    #[serde(default)]
-    layers: Vec<Child>,
-}
-
 /// True for media types whose blob lists children.
 pub fn is_parent(media_type: &str) -> bool {
-    matches!(
-        media_type,
-        "application/vnd.oci.image.index.v1+json"
-            | "application/vnd.docker.distribution.manifest.list.v2+json"
-            | "application/vnd.oci.image.manifest.v1+json"
-            | "application/vnd.docker.distribution.manifest.v2+json"
-    )
+    media_type::is_index(media_type) || media_type::is_manifest(media_type)
 }
 
-/// Parses an index or manifest blob.
+/// Parses an index or manifest blob. Which one it is comes from its shape
+/// (an index lists `manifests`), not from its optional `mediaType` field.
 pub fn parse(bytes: &[u8]) -> Result<Node, serde_json::Error> {
-    let r: Raw = serde_json::from_slice(bytes)?;
-    Ok(Node {
-        manifests: r.manifests,
-        config: r.config,
-        layers: r.layers,
-    })
+    let doc: serde_json::Value = serde_json::from_slice(bytes)?;
+    let children = |ds: &[Descriptor]| -> Result<Vec<Child>, serde_json::Error> {
+        ds.iter().map(Child::try_from).collect()
+    };
+    if doc.get("manifests").is_some() {
+        let index: ImageIndex = serde_json::from_value(doc)?;
+        Ok(Node {
+            manifests: children(index.manifests())?,
+            ..Node::default()
+        })
+    } else {
+        let manifest: ImageManifest = serde_json::from_value(doc)?;
+        Ok(Node {
+            config: Some(Child::try_from(manifest.config())?),
+            layers: children(manifest.layers())?,
+            ..Node::default()
+        })
+    }
 }
 
 impl Node {
@@ -73,13 +101,13 @@ impl Node {
     pub fn gc_labels(&self) -> HashMap<String, String> {
         let mut l = HashMap::new();
         for (i, m) in self.manifests.iter().enumerate() {
-            l.insert(format!("{GC_REF_PREFIX}.m.{i}"), m.digest.clone());
+            l.insert(format!("{GC_REF_CONTENT}.m.{i}"), m.digest.clone());
         }
         if let Some(c) = &self.config {
-            l.insert(format!("{GC_REF_PREFIX}.config"), c.digest.clone());
+            l.insert(format!("{GC_REF_CONTENT}.config"), c.digest.clone());
         }
         for (i, c) in self.layers.iter().enumerate() {
-            l.insert(format!("{GC_REF_PREFIX}.l.{i}"), c.digest.clone());
+            l.insert(format!("{GC_REF_CONTENT}.l.{i}"), c.digest.clone());
         }
         l
     }
@@ -89,25 +117,95 @@ impl Node {
 mod tests {
     use super::*;
 
+    fn d(c: char) -> String {
+        format!("sha256:{}", c.to_string().repeat(64))
+    }
+
     #[test]
     fn parses_index_and_manifest() {
-        let idx = br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",
-          "manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:a","size":1,
-          "platform":{"architecture":"amd64","os":"linux"}},
-          {"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:b","size":2,
-           "annotations":{"vnd.docker.reference.type":"attestation-manifest"}}]}"#;
-        let n = parse(idx).unwrap();
-        assert_eq!(n.children().count(), 2);
-        assert_eq!(
-            n.gc_labels()["containerd.io/gc.ref.content.m.1"],
-            "sha256:b"
+        let idx = format!(
+            r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",
+          "manifests":[{{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{}","size":1,
+          "platform":{{"architecture":"amd64","os":"linux"}}}},
+          {{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{}","size":2,
+           "platform":{{"architecture":"unknown","os":"unknown"}},
+           "annotations":{{"vnd.docker.reference.type":"attestation-manifest"}}}}]}}"#,
+            d('a'),
+            d('b')
         );
-        let m = br#"{"schemaVersion":2,"config":{"mediaType":"x","digest":"sha256:c","size":3},
-          "layers":[{"mediaType":"y","digest":"sha256:d","size":4}]}"#;
-        let n = parse(m).unwrap();
+        let n = parse(idx.as_bytes()).unwrap();
+        assert_eq!(n.children().count(), 2);
+        assert_eq!(n.gc_labels()["containerd.io/gc.ref.content.m.1"], d('b'));
+        let m = format!(
+            r#"{{"schemaVersion":2,"config":{{"mediaType":"x","digest":"{}","size":3}},
+          "layers":[{{"mediaType":"y","digest":"{}","size":4}}]}}"#,
+            d('c'),
+            d('d')
+        );
+        let n = parse(m.as_bytes()).unwrap();
         let l = n.gc_labels();
-        assert_eq!(l["containerd.io/gc.ref.content.config"], "sha256:c");
-        assert_eq!(l["containerd.io/gc.ref.content.l.0"], "sha256:d");
+        assert_eq!(l["containerd.io/gc.ref.content.config"], d('c'));
+        assert_eq!(l["containerd.io/gc.ref.content.l.0"], d('d'));
+        assert_eq!(n.layers[0].media_type, "y");
         assert!(parse(b"not json").is_err());
+    }
+
+    #[test]
+    fn docker_schema2_documents_parse() {
+        let list = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","manifests":[{{"mediaType":"{}","digest":"{}","size":7,"platform":{{"architecture":"arm64","os":"linux","variant":"v8"}}}}]}}"#,
+            media_type::DOCKER_MANIFEST_LIST,
+            media_type::DOCKER_MANIFEST,
+            d('e')
+        );
+        let n = parse(list.as_bytes()).unwrap();
+        assert_eq!(n.manifests[0].media_type, media_type::DOCKER_MANIFEST);
+        assert!(is_parent(&n.manifests[0].media_type));
+        let m = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","config":{{"mediaType":"{}","digest":"{}","size":1}},"layers":[{{"mediaType":"{}","digest":"{}","size":2}}]}}"#,
+            media_type::DOCKER_MANIFEST,
+            media_type::DOCKER_CONFIG,
+            d('f'),
+            media_type::DOCKER_LAYER_GZIP,
+            d('0')
+        );
+        let n = parse(m.as_bytes()).unwrap();
+        assert_eq!(n.children().count(), 2);
+        assert!(!is_parent(&n.layers[0].media_type));
+    }
+
+    /// Where `oci-spec` and the hand-written parser it replaced differ: the
+    /// old one accepted all of these (and returned empty or bogus children).
+    #[test]
+    fn rejects_what_the_spec_does_not_allow() {
+        let manifest =
+            |config: &str| format!(r#"{{"schemaVersion":2,"config":{config},"layers":[]}}"#);
+        for (why, doc) in [
+            (
+                "no mediaType",
+                manifest(&format!(r#"{{"digest":"{}","size":1}}"#, d('a'))),
+            ),
+            (
+                "bad digest",
+                manifest(r#"{"mediaType":"x","digest":"sha256:a","size":1}"#),
+            ),
+            (
+                "negative size",
+                manifest(&format!(
+                    r#"{{"mediaType":"x","digest":"{}","size":-1}}"#,
+                    d('a')
+                )),
+            ),
+            ("neither index nor manifest", "{}".to_string()),
+            (
+                "manifest without layers",
+                format!(
+                    r#"{{"schemaVersion":2,"config":{{"mediaType":"x","digest":"{}","size":1}}}}"#,
+                    d('a')
+                ),
+            ),
+        ] {
+            assert!(parse(doc.as_bytes()).is_err(), "{why}: {doc}");
+        }
     }
 }

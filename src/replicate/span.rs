@@ -2,9 +2,13 @@
 //! carries the call's method, namespace and image, and the end of the call is
 //! logged once with its duration and outcome.
 //!
+//! It lives here, not in `ops`, because only the replication path opens it and
+//! it is plain `tracing` (the subscriber `ops::logging` installs formats it):
+//! reporting it needs no observer, and replication depends on nothing in `ops`.
+//!
 //! Use from the replication code:
 //! ```no_run
-//! # use imgbridge::ops::trace::InterceptSpan;
+//! # use imgbridge::replicate::span::InterceptSpan;
 //! # use tracing::Instrument;
 //! # async fn replicate() -> Result<(), String> { Ok(()) }
 //! # async fn hook() {
