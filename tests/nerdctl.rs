@@ -22,10 +22,7 @@ impl Setup {
     /// Reconcile off, so a replica on return is the proxy's doing; pins on,
     /// so the delete policy (unpin) shows.
     fn start() -> Option<Setup> {
-        let c = Containerd::start(ContainerdOpts {
-            cri: true,
-            ..Default::default()
-        });
+        let c = Scenario::cri().containerd();
         let cri = Crictl::new(c.socket())?;
         let dir = tempdir("nerdctl-cfg-");
         let cfg = dir.path().join("config.toml");

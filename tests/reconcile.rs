@@ -64,10 +64,7 @@ async fn all_replicated(sock: &Path, within: Duration) -> Result<(), Vec<String>
 
 #[tokio::test]
 async fn start_pass_repairs_and_second_pass_writes_nothing() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let c = Scenario::cri().containerd();
     let (img, t) = seed(&c, "pre:1").await;
     images_client(c.socket())
         .await
@@ -145,10 +142,7 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
 
 #[tokio::test]
 async fn serve_start_pass_and_events_backstop_within_a_second() {
-    let mut c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let mut c = Scenario::cri().containerd();
     let (_img, t) = seed(&c, "early:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     all_replicated(c.socket(), Duration::from_secs(10))
@@ -193,10 +187,7 @@ async fn bypass_write_replicated_within_a_second(c: &Containerd, name: &str, t: 
 
 #[tokio::test]
 async fn containerd_killed_during_creates_converges_within_two_seconds() {
-    let mut c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let mut c = Scenario::cri().containerd();
     let (_img, t) = seed(&c, "fault:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     let mut created = 0;
@@ -230,10 +221,7 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
 
 #[tokio::test]
 async fn imgbridge_killed_mid_replication_restart_converges() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let c = Scenario::cri().containerd();
     let (_img, t) = seed(&c, "crash:1").await;
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
@@ -350,10 +338,7 @@ async fn fake_handle(real: PathBuf, req: front::Request) -> front::Response {
 
 #[tokio::test]
 async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let c = Scenario::cri().containerd();
     let (img, _t) = seed(&c, "xfer:1").await;
     let dir = tempdir("fake2x-");
     // The real Transfer service where there is one (1.7, 2.x).

@@ -322,8 +322,7 @@ async fn events_until(containerd: &Path, what: &str, mut seen: impl FnMut() -> b
 /// failed with "…/imgbridge.sock.ttrpc is in use".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let mut p = Imgbridge::start(c.socket(), &[]);
+    let (c, mut p) = Scenario::plain().start();
     let sock = p.socket().to_path_buf();
     let ttrpc = imgbridge::app::ttrpc_path(&sock);
 
@@ -410,8 +409,7 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
 /// instance, exiting after the write, leaves the new one's sockets alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_in_flight_at_sigterm_completes_while_a_new_instance_serves() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let mut p = Imgbridge::start(c.socket(), &[]);
+    let (c, mut p) = Scenario::plain().start();
     let sock = p.socket().to_path_buf();
     let ttrpc = imgbridge::app::ttrpc_path(&sock);
     let sub = tonic_subscribe(containerd_channel(&sock).await, IMAGES);

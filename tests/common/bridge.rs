@@ -28,6 +28,12 @@ impl Imgbridge {
         Self::start_in(dir, sock, upstream_sock, extra_args)
     }
 
+    /// [`Imgbridge::start`] with `--config` of a file holding `toml`.
+    pub fn with_config(upstream_sock: &Path, toml: &str) -> Imgbridge {
+        let cfg = config_file(toml);
+        Self::start(upstream_sock, &["--config", &cfg.display().to_string()])
+    }
+
     /// Like [`Imgbridge::start`] but listening on `sock` (e.g. over a stale
     /// socket file).
     pub fn start_at(sock: &Path, upstream_sock: &Path, extra_args: &[&str]) -> Imgbridge {

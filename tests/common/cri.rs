@@ -334,3 +334,12 @@ impl PodRun {
         }
     }
 }
+
+/// Runs `image_ref` (built with [`TestImage::hello`]`(name_tag)`) as a pod
+/// until it prints [`hello_text`]`(name_tag)`, then removes the pod.
+pub async fn run_hello_pod(sock: &Path, image_ref: &str, name_tag: &str) {
+    run_pod(sock, image_ref, &[], &hello_text(name_tag))
+        .await
+        .cleanup()
+        .await;
+}

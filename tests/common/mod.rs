@@ -48,6 +48,7 @@ mod flavor;
 mod grpc;
 mod images;
 mod registry;
+mod scenario;
 mod shims;
 mod util;
 
@@ -55,7 +56,8 @@ mod util;
 // (ops.rs, import.rs) would otherwise warn about that module's line.
 #[allow(unused_imports)]
 pub use self::{
-    bridge::*, containerd::*, cri::*, ctr::*, flavor::*, grpc::*, images::*, registry::*, util::*,
+    bridge::*, containerd::*, cri::*, ctr::*, flavor::*, grpc::*, images::*, registry::*,
+    scenario::*, util::*,
 };
 // Internal to the harness: the daemon registry and the shim sweep.
 use self::{daemon::*, shims::*};
