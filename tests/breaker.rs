@@ -60,12 +60,7 @@ async fn a_write_that_broke_the_connection_twice_is_never_sent_again() {
         ],
     );
     let img = TestImage::hello("crash-front:1");
-    let archive = img.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     let replica = img.normalized();
     assert!(get_image(c.socket(), "k8s.io", &replica).await.is_some());
     assert_eq!(

@@ -551,14 +551,10 @@ async fn containerd_restart_fails_fast_then_serves_again() {
     }
     // The fallback connection is sent away (GOAWAY) once containerd answers;
     // the client's next connection is spliced.
-    assert!(
-        poll(Duration::from_secs(5), || p
-            .log()
-            .contains("moving the client to a spliced connection")
-            .then_some(()))
-        .is_some(),
-        "fallback connection was not moved:\n{}",
-        p.log_tail()
+    p.wait_for_log(
+        "moving the client to a spliced connection",
+        Duration::from_secs(5),
+        "fallback connection was not moved",
     );
     late.version(()).await.expect("served after the move");
 }

@@ -713,14 +713,10 @@ async fn on_failure_fail_and_warn() {
         .create(create_image_req(SRC, "broken:2", &target))
         .await
         .expect("warn replies OK");
-    assert!(
-        poll(Duration::from_secs(5), || w
-            .log()
-            .contains("on_failure = warn")
-            .then_some(()))
-        .is_some(),
-        "failure logged:\n{}",
-        w.log_tail()
+    w.wait_for_log(
+        "on_failure = warn",
+        Duration::from_secs(5),
+        "failure logged",
     );
 }
 

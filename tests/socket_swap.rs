@@ -33,12 +33,7 @@ fn crictl_and_ctr_use_imgbridges_socket_as_containerds() {
     // A build client writes into its namespace through the same socket;
     // kubelet sees the image at once, through it too.
     let built = TestImage::hello("swap-built:1");
-    let archive = built.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
+    ctr_import(p.socket(), SRC, &built.docker_archive());
     assert_eq!(
         kubelet.image_id(&built.normalized()),
         Some(built.config_digest())

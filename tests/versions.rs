@@ -219,17 +219,12 @@ async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
     let img = &w.img;
 
     // The one-shot CLI pins what it imports.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+    let mut import = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"));
+    import
         .args(["import", "--upstream"])
         .arg(c.socket())
-        .arg(img.docker_archive())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "imgbridge import: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(img.docker_archive());
+    run_ok(import);
     wait_pin(c.socket(), &name, true).await;
     c.assert_still_running(pid);
 }

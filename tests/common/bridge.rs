@@ -4,6 +4,7 @@ use std::fs;
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
@@ -68,16 +69,15 @@ impl Imgbridge {
             log,
             dir,
         };
-        let ready = poll(READY_TIMEOUT, || {
-            if let Some(st) = b.daemon.try_reap() {
-                return Some(Err(st));
-            }
-            StdUnixStream::connect(&b.sock).is_ok().then_some(Ok(()))
-        });
+        let ready = b
+            .daemon
+            .wait_ready(|| StdUnixStream::connect(&b.sock).is_ok());
         match ready {
-            Some(Ok(())) => b,
-            Some(Err(st)) => panic!("imgbridge exited during startup ({st}); log:\n{}", b.log()),
-            None => panic!(
+            Ok(()) => b,
+            Err(NotReady::Exited(st)) => {
+                panic!("imgbridge exited during startup ({st}); log:\n{}", b.log())
+            }
+            Err(NotReady::TimedOut) => panic!(
                 "imgbridge did not accept on {} within {READY_TIMEOUT:?}; log:\n{}",
                 b.sock.display(),
                 b.log()
@@ -102,6 +102,13 @@ impl Imgbridge {
         fs::read(&self.log)
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default()
+    }
+
+    /// Polls the log until it shows `text`; panics with `why` and the log
+    /// tail if it does not within `within`.
+    pub fn wait_for_log(&self, text: &str, within: Duration, why: &str) {
+        let seen = poll(within, || self.log().contains(text).then_some(()));
+        assert!(seen.is_some(), "{why}:\n{}", self.log_tail());
     }
 
     pub fn log_tail(&self) -> String {

@@ -84,25 +84,17 @@ impl Containerd {
     fn wait_ready(&mut self) {
         let start = Instant::now();
         let sock = self.sock.clone();
-        let ready = poll(READY_TIMEOUT, || {
-            if let Some(status) = self.daemon.try_reap() {
-                return Some(Err(status));
-            }
-            if StdUnixStream::connect(&sock).is_err() {
-                return None;
-            }
-            ctr(&sock, "default", ["version"])
-                .status
-                .success()
-                .then_some(Ok(()))
+        let ready = self.daemon.wait_ready(|| {
+            StdUnixStream::connect(&sock).is_ok()
+                && ctr(&sock, "default", ["version"]).status.success()
         });
         match ready {
-            Some(Ok(())) => {}
-            Some(Err(status)) => panic!(
+            Ok(()) => {}
+            Err(NotReady::Exited(status)) => panic!(
                 "containerd exited during startup ({status}); log tail:\n{}",
                 self.log_tail()
             ),
-            None => panic!(
+            Err(NotReady::TimedOut) => panic!(
                 "containerd not ready after {:?} (socket {}); log tail:\n{}",
                 start.elapsed(),
                 self.sock.display(),

@@ -152,15 +152,7 @@ pub fn ctr_ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
         &digest[7..19],
         file.display()
     );
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(&sh)
-        .env("PATH", flavor().path_env())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{sh}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(&sh).env("PATH", flavor().path_env());
+    run_ok(cmd);
 }

@@ -243,6 +243,28 @@ impl Daemon {
     }
 }
 
+/// Why a daemon did not become ready.
+pub(super) enum NotReady {
+    /// It exited first.
+    Exited(ExitStatus),
+    /// It was still not ready at [`READY_TIMEOUT`].
+    TimedOut,
+}
+
+impl Daemon {
+    /// Polls `ready` until it holds, for up to [`READY_TIMEOUT`]; gives up
+    /// at once when the process exits meanwhile (and reaps it).
+    pub(super) fn wait_ready(&mut self, mut ready: impl FnMut() -> bool) -> Result<(), NotReady> {
+        let outcome = poll(READY_TIMEOUT, || {
+            if let Some(status) = self.try_reap() {
+                return Some(Err(NotReady::Exited(status)));
+            }
+            ready().then_some(Ok(()))
+        });
+        outcome.unwrap_or(Err(NotReady::TimedOut))
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();

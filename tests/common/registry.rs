@@ -37,19 +37,14 @@ impl Registry {
             let mut daemon =
                 Daemon::spawn("docker-registry", cmd, &dir.path().join("registry.log"));
             let addr = format!("127.0.0.1:{port}");
-            let ready = poll(READY_TIMEOUT, || {
-                if let Some(st) = daemon.try_reap() {
-                    return Some(Err(st));
-                }
-                (http_status(&addr, "/v2/") == Some(200)).then_some(Ok(()))
-            });
+            let ready = daemon.wait_ready(|| http_status(&addr, "/v2/") == Some(200));
             match ready {
-                Some(Ok(())) => return Registry { daemon, port, dir },
-                Some(Err(st)) => {
+                Ok(()) => return Registry { daemon, port, dir },
+                Err(NotReady::Exited(st)) => {
                     // Most likely the port was taken meanwhile; retry.
                     last_err = format!("registry exited ({st}); log:\n{}", daemon.log_tail(30));
                 }
-                None => panic!(
+                Err(NotReady::TimedOut) => panic!(
                     "registry on {addr} not ready within {READY_TIMEOUT:?}; log:\n{}",
                     daemon.log_tail(30)
                 ),

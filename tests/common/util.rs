@@ -207,7 +207,9 @@ pub fn output_with_timeout(cmd: Command, timeout: Duration) -> Output {
     try_output_with_timeout(cmd, timeout).unwrap_or_else(|e| panic!("{e}"))
 }
 
-pub(super) fn run_ok(cmd: Command) -> Output {
+/// Runs `cmd` with [`TOOL_TIMEOUT`]; panics with its stdout and stderr
+/// unless it succeeds.
+pub fn run_ok(cmd: Command) -> Output {
     let desc = format!("{cmd:?}");
     let out = output_with_timeout(cmd, TOOL_TIMEOUT);
     if !out.status.success() {
