@@ -315,6 +315,19 @@ async fn stage_without_dir() -> (TestContainerd, Containerd, tempfile::TempDir, 
     (ctd, c, tmp, dir)
 }
 
+/// `ctr images check` in `k8s.io` says complete for every image whose
+/// line contains `filter`.
+fn assert_complete(ctd: &TestContainerd, filter: &str) {
+    let check = ctd.ctr(&["images", "check"]);
+    assert!(
+        check
+            .lines()
+            .filter(|l| l.contains(filter))
+            .all(|l| l.contains("complete")),
+        "{check}"
+    );
+}
+
 /// Whether the state file records `file`.
 fn state_has(state: &Path, file: &Path) -> bool {
     let Ok(b) = std::fs::read(state) else {
@@ -438,14 +451,7 @@ async fn cli_import_formats_and_failures() {
         img.target.unwrap().media_type,
         "application/vnd.oci.image.index.v1+json"
     );
-    let check = ctd.ctr(&["images", "check"]);
-    assert!(
-        check
-            .lines()
-            .filter(|l| l.contains("app-"))
-            .all(|l| l.contains("complete")),
-        "{check}"
-    );
+    assert_complete(&ctd, "app-");
     let run = common::ctr_run(&ctd.sock, "k8s.io", A, &["/bin/busybox", "echo", "ran-a"]);
     assert_eq!(run, "ran-a\n");
 }
@@ -627,14 +633,7 @@ async fn slow_copy_imported_once() {
     let stats = r.stop().await;
     assert_eq!(stats.imported.load(Ordering::SeqCst), 1);
     assert_eq!(stats.failures.load(Ordering::SeqCst), 0);
-    let check = ctd.ctr(&["images", "check"]);
-    assert!(
-        check
-            .lines()
-            .filter(|l| l.contains("app-a"))
-            .all(|l| l.contains("complete")),
-        "{check}"
-    );
+    assert_complete(&ctd, "app-a");
 }
 
 /// A pull list through CRI from the loopback registry: present images are

@@ -24,14 +24,10 @@ impl Setup {
     fn start() -> Option<Setup> {
         let c = Scenario::cri().containerd();
         let cri = Crictl::new(c.socket())?;
-        let dir = tempdir("nerdctl-cfg-");
-        let cfg = dir.path().join("config.toml");
-        std::fs::write(
-            &cfg,
+        let p = Imgbridge::with_config(
+            c.socket(),
             "[replication]\npin = true\n[reconcile]\nenabled = false\n",
-        )
-        .unwrap();
-        let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+        );
         let reg = Registry::start();
         let bk = Buildkitd::start(p.socket(), "buildkit", Some(&reg.addr()))?;
         let n = Nerdctl::new(p.socket(), "buildkit", Some(&bk))?;

@@ -19,15 +19,14 @@ use prost::Message;
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";
 
-/// A base image in `buildkit` (written directly) and its target descriptor.
-async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
+/// A containerd with CRI whose `buildkit` already holds `name_tag`
+/// (written directly, before any imgbridge), and that image's target.
+async fn seeded(name_tag: &str) -> (Containerd, Arc<TestImage>, Descriptor) {
+    let c = Scenario::cri().containerd();
     let img = TestImage::hello(name_tag);
-    c.ctr_ok(
-        SRC,
-        ["images", "import", img.docker_archive().to_str().unwrap()],
-    );
+    ctr_import(c.socket(), SRC, &img.docker_archive());
     let t = image_target(c.socket(), SRC, &img.normalized()).await;
-    (img, t)
+    (c, img, t)
 }
 
 /// Images of `buildkit` whose replica is missing or has another target.
@@ -64,8 +63,7 @@ async fn all_replicated(sock: &Path, within: Duration) -> Result<(), Vec<String>
 
 #[tokio::test]
 async fn start_pass_repairs_and_second_pass_writes_nothing() {
-    let c = Scenario::cri().containerd();
-    let (img, t) = seed(&c, "pre:1").await;
+    let (c, img, t) = seeded("pre:1").await;
     images_client(c.socket())
         .await
         .create(create_image_req(SRC, "pre-tag:1", &t))
@@ -142,8 +140,7 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
 
 #[tokio::test]
 async fn serve_start_pass_and_events_backstop_within_a_second() {
-    let mut c = Scenario::cri().containerd();
-    let (_img, t) = seed(&c, "early:1").await;
+    let (mut c, _img, t) = seeded("early:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     all_replicated(c.socket(), Duration::from_secs(10))
         .await
@@ -187,8 +184,7 @@ async fn bypass_write_replicated_within_a_second(c: &Containerd, name: &str, t: 
 
 #[tokio::test]
 async fn containerd_killed_during_creates_converges_within_two_seconds() {
-    let mut c = Scenario::cri().containerd();
-    let (_img, t) = seed(&c, "fault:1").await;
+    let (mut c, _img, t) = seeded("fault:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     let mut created = 0;
     for i in 0..20 {
@@ -221,8 +217,7 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
 
 #[tokio::test]
 async fn imgbridge_killed_mid_replication_restart_converges() {
-    let c = Scenario::cri().containerd();
-    let (_img, t) = seed(&c, "crash:1").await;
+    let (c, _img, t) = seeded("crash:1").await;
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
     let writer = tokio::spawn(async move {
@@ -338,8 +333,7 @@ async fn fake_handle(real: PathBuf, req: front::Request) -> front::Response {
 
 #[tokio::test]
 async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
-    let c = Scenario::cri().containerd();
-    let (img, _t) = seed(&c, "xfer:1").await;
+    let (c, img, _t) = seeded("xfer:1").await;
     let dir = tempdir("fake2x-");
     // The real Transfer service where there is one (1.7, 2.x).
     let real = flavor().has_transfer();

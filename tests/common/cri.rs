@@ -26,10 +26,9 @@ pub async fn cri_image_client(sock: &Path) -> ImageServiceClient<Channel> {
         .max_encoding_message_size(MAX_MSG)
 }
 
-/// CRI `ImageStatus`; `Err` carries the connection or RPC error.
 /// CRI's `ImageStatus` of `image_ref` on containerd's socket `sock`: what
 /// kubelet would see, asked with crictl (over gRPC only when the peers are
-/// skipped).
+/// skipped). `Err` carries the connection or RPC error.
 pub async fn try_cri_image_status(
     sock: &Path,
     image_ref: &str,
@@ -58,8 +57,6 @@ pub async fn try_cri_image_status(
     Ok(resp.into_inner().image)
 }
 
-/// CRI `ImageStatus` for `image_ref`, `None` when CRI does not know it.
-/// Panics on connection/RPC errors.
 /// crictl's JSON image status as CRI's `Image`.
 pub(super) fn image_from_json(s: &serde_json::Value) -> k8s_cri::v1::Image {
     let strings = |k: &str| -> Vec<String> {
@@ -85,6 +82,8 @@ pub(super) fn image_from_json(s: &serde_json::Value) -> k8s_cri::v1::Image {
     }
 }
 
+/// CRI `ImageStatus` for `image_ref`, `None` when CRI does not know it.
+/// Panics on connection/RPC errors.
 pub async fn cri_image_status(sock: &Path, image_ref: &str) -> Option<k8s_cri::v1::Image> {
     try_cri_image_status(sock, image_ref)
         .await

@@ -90,8 +90,6 @@ where
     cmd
 }
 
-/// Like [`ctr`] but panics (with stdout, stderr and the logs next to `sock`)
-/// unless it succeeds; returns stdout.
 /// `ctr run --rm` of `image` running `cmd` through `sock`; returns what
 /// `cmd` printed. The output goes to a bind-mounted file rather than ctr's
 /// stdout: ctr cancels its FIFO copy as soon as the exit status arrives, so
@@ -118,6 +116,8 @@ pub fn ctr_run(sock: &Path, ns: &str, image: &str, cmd: &[&str]) -> String {
         .unwrap_or_else(|e| panic!("ctr run of {image} wrote no output: {e}"))
 }
 
+/// Like [`ctr`] but panics (with stdout, stderr and the logs next to `sock`)
+/// unless it succeeds; returns stdout.
 pub fn ctr_ok<I, S>(sock: &Path, ns: &str, args: I) -> String
 where
     I: IntoIterator<Item = S>,
