@@ -205,12 +205,7 @@ fn create_request(name: impl Into<String>, digit: char) -> tonic::Request<api::C
         api::CreateImageRequest {
             image: Some(api::Image {
                 name: name.into(),
-                target: Some(containerd_client::types::Descriptor {
-                    media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                    digest: format!("sha256:{}", digit.to_string().repeat(64)),
-                    size: 1,
-                    ..Default::default()
-                }),
+                target: Some(placeholder_manifest(digit)),
                 ..Default::default()
             }),
             ..Default::default()
@@ -338,12 +333,7 @@ async fn unknown_service_and_errors_match_containerd() {
             .unwrap_err();
         let img = api::Image {
             name: format!("dup-{}", errs.len()),
-            target: Some(containerd_client::types::Descriptor {
-                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                digest: format!("sha256:{}", "1".repeat(64)),
-                size: 1,
-                ..Default::default()
-            }),
+            target: Some(placeholder_manifest('1')),
             ..Default::default()
         };
         let create = |i: api::Image| {
@@ -397,12 +387,7 @@ async fn large_metadata_and_large_messages_pass() {
     let img = api::Image {
         name: "big:1".into(),
         labels,
-        target: Some(containerd_client::types::Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: format!("sha256:{}", "2".repeat(64)),
-            size: 1,
-            ..Default::default()
-        }),
+        target: Some(placeholder_manifest('2')),
         ..Default::default()
     };
     let mut images = images_client(p.socket())
@@ -666,9 +651,8 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_upstream_call() {
-    let (c, p) = Scenario::plain().start();
     let reference = "cancel-me";
-    let (tx, replies) = hold_ingest(p.socket(), c.socket(), reference, None).await;
+    let (c, _p, tx, replies) = held_ingest(reference, None).await;
     // The client goes away without closing its stream cleanly.
     drop(replies);
     drop(tx);
@@ -684,15 +668,8 @@ async fn client_disconnect_cancels_upstream_call() {
 /// here; [`grpc_timeout_reaches_containerd`] shows the header alone does.
 #[tokio::test]
 async fn client_deadline_ends_upstream_call() {
-    let (c, p) = Scenario::plain().start();
     let reference = "deadline-me";
-    let (_tx, mut replies) = hold_ingest(
-        p.socket(),
-        c.socket(),
-        reference,
-        Some(Duration::from_secs(2)),
-    )
-    .await;
+    let (c, _p, _tx, mut replies) = held_ingest(reference, Some(Duration::from_secs(2))).await;
     let ended = tokio::time::timeout(Duration::from_secs(10), replies.message())
         .await
         .expect("the call outlived its 2 s deadline by 8 s");
@@ -788,6 +765,22 @@ async fn hold_ingest(
     };
     assert_eq!(locked.code(), tonic::Code::Unavailable, "{locked:?}");
     (tx, replies)
+}
+
+/// A containerd and an imgbridge in front of it, with `reference` held
+/// through imgbridge (see [`hold_ingest`]).
+async fn held_ingest(
+    reference: &str,
+    deadline: Option<Duration>,
+) -> (
+    Containerd,
+    Imgbridge,
+    tokio::sync::mpsc::Sender<api::WriteContentRequest>,
+    tonic::Streaming<api::WriteContentResponse>,
+) {
+    let (c, p) = Scenario::plain().start();
+    let (tx, replies) = hold_ingest(p.socket(), c.socket(), reference, deadline).await;
+    (c, p, tx, replies)
 }
 
 /// Whether containerd lets a new writer take `reference` within 10 s.

@@ -305,11 +305,7 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let refs: Vec<(&str, &str)> = refs.iter().map(|(k, d)| (k.as_str(), d.as_str())).collect();
     gc_label(c.socket(), SRC, &b.manifest.digest, &refs);
     let t = Instant::now();
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "lazy:1", &b.manifest))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "lazy:1", &b.manifest).await;
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "missing layers must not block the reply"
@@ -385,11 +381,7 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         size: index.len() as i64,
         ..Default::default()
     };
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "multi:1", &target))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "multi:1", &target).await;
     let st = cri_image_status(c.socket(), "docker.io/library/multi:1")
         .await
         .expect("host platform resolves");
@@ -504,12 +496,7 @@ async fn replica_survives_gc_and_pod_still_runs() {
     c.ctr_ok(SRC, ["images", "rm", &img.normalized()]);
     let dummy = api::Image {
         name: "dummy:1".into(),
-        target: Some(Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: format!("sha256:{}", "4".repeat(64)),
-            size: 1,
-            ..Default::default()
-        }),
+        target: Some(placeholder_manifest('4')),
         ..Default::default()
     };
     let mut cl = images_client(c.socket()).await;

@@ -293,12 +293,7 @@ impl Drop for CtrEvents {
 /// holds (every subscriber has an event), for up to 10 s.
 async fn events_until(containerd: &Path, what: &str, mut seen: impl FnMut() -> bool) {
     let mut images = images_client(containerd).await;
-    let target = containerd_client::types::Descriptor {
-        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-        digest: format!("sha256:{}", "0".repeat(64)),
-        size: 1,
-        ..Default::default()
-    };
+    let target = placeholder_manifest('0');
     let deadline = Instant::now() + Duration::from_secs(10);
     while !seen() {
         assert!(Instant::now() < deadline, "{what}: no event within 10 s");
@@ -548,12 +543,7 @@ async fn held_call_finishes_in_the_drain_while_the_subscription_ends_at_once() {
     let sub = tonic_subscribe(channel.clone(), IMAGES);
     events_until(c.socket(), "subscriber", || sub.events() > 0).await;
     let mut images = api::images_client::ImagesClient::new(channel);
-    let target = containerd_client::types::Descriptor {
-        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-        digest: format!("sha256:{}", "1".repeat(64)),
-        size: 1,
-        ..Default::default()
-    };
+    let target = placeholder_manifest('1');
     let create =
         tokio::spawn(async move { images.create(create_image_req(NS, "held:1", &target)).await });
     let held = until(Duration::from_secs(10), || {

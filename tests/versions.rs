@@ -110,11 +110,7 @@ async fn delete_policy_unpin_through_imgbridge_and_directly_keeps_containerd_up(
     // Written through imgbridge, deleted behind its back: the events
     // subscription applies the policy.
     let target = image_target(c.socket(), K8S, &replica).await;
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "unpin-direct:1", &target))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "unpin-direct:1", &target).await;
     let direct = "docker.io/library/unpin-direct:1";
     assert!(is_pinned(c.socket(), direct).await);
     images_client(c.socket())

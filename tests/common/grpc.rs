@@ -170,3 +170,29 @@ pub fn sha256_hex(data: &[u8]) -> String {
 pub fn sha256_digest(data: &[u8]) -> String {
     format!("sha256:{}", sha256_hex(data))
 }
+
+/// A manifest descriptor (size 1) whose digest is `digit` 64 times: the
+/// target of a record that containerd stores without reading its content.
+pub fn placeholder_manifest(digit: char) -> containerd_client::types::Descriptor {
+    containerd_client::types::Descriptor {
+        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+        digest: format!("sha256:{}", digit.to_string().repeat(64)),
+        size: 1,
+        ..Default::default()
+    }
+}
+
+/// `Images/Create` of `name` -> `target` in `ns` on `sock` (containerd's
+/// socket, or imgbridge's), panicking unless it succeeds.
+pub async fn create_image(
+    sock: &Path,
+    ns: &str,
+    name: &str,
+    target: &containerd_client::types::Descriptor,
+) {
+    images_client(sock)
+        .await
+        .create(create_image_req(ns, name, target))
+        .await
+        .unwrap_or_else(|e| panic!("create {name} in {ns}: {e:?}"));
+}
