@@ -21,10 +21,7 @@ const UPDATE: &str = "/containerd.services.images.v1.Images/Update";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_that_broke_the_connection_twice_is_never_sent_again() {
-    let mut c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
+    let mut c = Scenario::cri().containerd();
     let pid = c.pid();
     let dir = tempdir("crash-front-");
     let listen = dir.path().join("front.sock");
@@ -63,12 +60,7 @@ async fn a_write_that_broke_the_connection_twice_is_never_sent_again() {
         ],
     );
     let img = TestImage::hello("crash-front:1");
-    let archive = img.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     let replica = img.normalized();
     assert!(get_image(c.socket(), "k8s.io", &replica).await.is_some());
     assert_eq!(

@@ -24,18 +24,12 @@ struct Setup {
 
 impl Setup {
     fn start() -> Option<Setup> {
-        let cri = ContainerdOpts {
-            cri: true,
-            ..Default::default()
-        };
-        let c = Containerd::start(cri);
+        let c = Scenario::cri().containerd();
         let crictl = Crictl::new(c.socket())?;
         // Reconcile off: only the proxied writes can replicate, so a
         // replica in k8s.io on return is the proxy's doing, not a backstop's.
+        let p = Imgbridge::with_config(c.socket(), "[reconcile]\nenabled = false\n");
         let dir = tempdir("bk-meta-");
-        let cfg = dir.path().join("config.toml");
-        std::fs::write(&cfg, "[reconcile]\nenabled = false\n").unwrap();
-        let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
         let reg = Registry::start();
         let bk = Buildkitd::start(p.socket(), "buildkit", Some(&reg.addr()))?;
         Some(Setup {

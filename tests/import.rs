@@ -297,6 +297,37 @@ impl Running {
     }
 }
 
+/// Where every test here starts: a containerd with CRI and an empty
+/// `k8s.io`, the library's client on it, and a temp dir holding the
+/// `images` dir to watch (created).
+async fn stage() -> (TestContainerd, Containerd, tempfile::TempDir, PathBuf) {
+    let (ctd, c, tmp, dir) = stage_without_dir().await;
+    std::fs::create_dir(&dir).unwrap();
+    (ctd, c, tmp, dir)
+}
+
+/// [`stage`] with the `images` dir not there yet.
+async fn stage_without_dir() -> (TestContainerd, Containerd, tempfile::TempDir, PathBuf) {
+    let ctd = TestContainerd::start().await;
+    let c = ctd.client();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("images");
+    (ctd, c, tmp, dir)
+}
+
+/// `ctr images check` in `k8s.io` says complete for every image whose
+/// line contains `filter`.
+fn assert_complete(ctd: &TestContainerd, filter: &str) {
+    let check = ctd.ctr(&["images", "check"]);
+    assert!(
+        check
+            .lines()
+            .filter(|l| l.contains(filter))
+            .all(|l| l.contains("complete")),
+        "{check}"
+    );
+}
+
 /// Whether the state file records `file`.
 fn state_has(state: &Path, file: &Path) -> bool {
     let Ok(b) = std::fs::read(state) else {
@@ -367,9 +398,7 @@ const E: &str = "docker.io/library/app-e:dev";
 /// platform, and bad files reported with exit status 1 while good ones land.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_import_formats_and_failures() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
+    let (ctd, c, tmp, ..) = stage_without_dir().await;
     let t = tmp.path();
     // gzip under a plain .tar name, zstd under a .tar.gz name.
     std::fs::write(t.join("a-is-gzip.tar"), gzip(&read("a.tar"))).unwrap();
@@ -422,14 +451,7 @@ async fn cli_import_formats_and_failures() {
         img.target.unwrap().media_type,
         "application/vnd.oci.image.index.v1+json"
     );
-    let check = ctd.ctr(&["images", "check"]);
-    assert!(
-        check
-            .lines()
-            .filter(|l| l.contains("app-"))
-            .all(|l| l.contains("complete")),
-        "{check}"
-    );
+    assert_complete(&ctd, "app-");
     let run = common::ctr_run(&ctd.sock, "k8s.io", A, &["/bin/busybox", "echo", "ran-a"]);
     assert_eq!(run, "ran-a\n");
 }
@@ -501,9 +523,7 @@ fn multi_platform(oci_tar: &[u8]) -> Vec<u8> {
 /// (unpinned, not deleted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_watch_dir_created_later_rename_in_and_remove() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
+    let (ctd, c, tmp, ..) = stage_without_dir().await;
     let watch = tmp.path().join("not/yet/images");
     let cfg = tmp.path().join("config.toml");
     std::fs::write(
@@ -540,11 +560,7 @@ async fn serve_watch_dir_created_later_rename_in_and_remove() {
 /// new files imports them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dir_deleted_and_recreated() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("images");
-    std::fs::create_dir(&dir).unwrap();
+    let (_ctd, c, tmp, dir) = stage().await;
     copy_in("a.tar", &dir, "a.tar");
     let r = Running::start(&c, &[&dir], &tmp.path().join("state.json"), None);
     wait_usable_pinned(&c, A).await;
@@ -563,9 +579,7 @@ async fn dir_deleted_and_recreated() {
 /// the new target's files are imported, the old target's unpinned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn symlink_swap() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_ctd, c, tmp, ..) = stage_without_dir().await;
     let (t1, t2) = (tmp.path().join("v1"), tmp.path().join("v2"));
     std::fs::create_dir(&t1).unwrap();
     std::fs::create_dir(&t2).unwrap();
@@ -590,11 +604,7 @@ async fn symlink_swap() {
 /// has been quiet for the debounce period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_copy_imported_once() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("images");
-    std::fs::create_dir(&dir).unwrap();
+    let (ctd, c, tmp, dir) = stage().await;
     // Chunks come every 250 ms; the debounce must outlast the gaps.
     let r = Running::with_debounce(
         &c,
@@ -623,14 +633,7 @@ async fn slow_copy_imported_once() {
     let stats = r.stop().await;
     assert_eq!(stats.imported.load(Ordering::SeqCst), 1);
     assert_eq!(stats.failures.load(Ordering::SeqCst), 0);
-    let check = ctd.ctr(&["images", "check"]);
-    assert!(
-        check
-            .lines()
-            .filter(|l| l.contains("app-a"))
-            .all(|l| l.contains("complete")),
-        "{check}"
-    );
+    assert_complete(&ctd, "app-a");
 }
 
 /// A pull list through CRI from the loopback registry: present images are
@@ -638,17 +641,13 @@ async fn slow_copy_imported_once() {
 /// same directory imports, and a line leaving the list unpins its image.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_list_retry_and_line_removal() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
+    let (_ctd, c, tmp, dir) = stage().await;
     let first = push("c", "lib/pull-first:1");
     let later = format!(
         "{}/lib/pull-later-{}:1",
         harness::registry().addr(),
         std::process::id()
     );
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("images");
-    std::fs::create_dir(&dir).unwrap();
     std::fs::write(
         dir.join("list.txt"),
         format!("# images for the node\n\n{first}\n{later}  # pushed later\nNot/A:Valid:Ref\n"),
@@ -685,9 +684,7 @@ async fn pull_list_retry_and_line_removal() {
 /// image pinned by someone else is never touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unpin_rules() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
+    let (ctd, c, tmp, ..) = stage_without_dir().await;
     // Someone else imported and pinned app-c (no io.imgbridge.import label).
     let cli = Command::new(env!("CARGO_BIN_EXE_imgbridge"))
         .args(["import", "--no-pin", "--upstream"])
@@ -753,11 +750,7 @@ async fn unpin_rules() {
 /// whose image was removed meanwhile is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_skips_unchanged_and_reimports_removed() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("images");
-    std::fs::create_dir(&dir).unwrap();
+    let (_ctd, c, tmp, dir) = stage().await;
     copy_in("a.tar", &dir, "a.tar");
     copy_in("b.oci.tar", &dir, "b.tar");
     let state = tmp.path().join("state/import.json");
@@ -788,11 +781,7 @@ async fn restart_skips_unchanged_and_reimports_removed() {
 /// file in the same directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_do_not_block_good_files() {
-    let ctd = TestContainerd::start().await;
-    let c = ctd.client();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("images");
-    std::fs::create_dir(&dir).unwrap();
+    let (_ctd, c, tmp, dir) = stage().await;
     let b = read("b.oci.tar");
     let d = read("d.tar");
     let e = read("e.oci.tar");

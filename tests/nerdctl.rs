@@ -22,19 +22,12 @@ impl Setup {
     /// Reconcile off, so a replica on return is the proxy's doing; pins on,
     /// so the delete policy (unpin) shows.
     fn start() -> Option<Setup> {
-        let c = Containerd::start(ContainerdOpts {
-            cri: true,
-            ..Default::default()
-        });
+        let c = Scenario::cri().containerd();
         let cri = Crictl::new(c.socket())?;
-        let dir = tempdir("nerdctl-cfg-");
-        let cfg = dir.path().join("config.toml");
-        std::fs::write(
-            &cfg,
+        let p = Imgbridge::with_config(
+            c.socket(),
             "[replication]\npin = true\n[reconcile]\nenabled = false\n",
-        )
-        .unwrap();
-        let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+        );
         let reg = Registry::start();
         let bk = Buildkitd::start(p.socket(), "buildkit", Some(&reg.addr()))?;
         let n = Nerdctl::new(p.socket(), "buildkit", Some(&bk))?;

@@ -552,7 +552,8 @@ fn json_logs_and_flags_override_the_file() {
         "[log]\nformat = \"text\"\nfilter = \"warn\"\n[metrics]\nlisten = \"127.0.0.1:1\"\n",
     )
     .unwrap();
-    let out = Command::new(BIN)
+    let mut print = Command::new(BIN);
+    print
         .args(["serve", "--print-config", "--config"])
         .arg(&cfg)
         .args([
@@ -560,14 +561,8 @@ fn json_logs_and_flags_override_the_file() {
             "json",
             "--metrics-listen",
             "/run/x/metrics.sock",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        ]);
+    let out = common::run_ok(print);
     let eff: imgbridge::Config = toml::from_str(&String::from_utf8_lossy(&out.stdout)).unwrap();
     assert_eq!(eff.log.format, "json");
     assert_eq!(eff.log.filter, "warn");

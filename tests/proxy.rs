@@ -31,8 +31,7 @@ fn rss_kib(pid: u32) -> u64 {
 
 #[test]
 fn ctr_version_plugins_namespaces_through_proxy() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let v = ctr_ok(p.socket(), NS, ["version"]);
     let (major, minor, _) = flavor().semver;
     assert!(
@@ -52,8 +51,7 @@ fn ctr_version_plugins_namespaces_through_proxy() {
 
 #[test]
 fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::plain().start();
     let dir = tempdir("blob-");
     let blob = dir.path().join("blob");
     let mut data = vec![0u8; 64 << 20];
@@ -79,8 +77,7 @@ fn content_ingest_and_get_64mib_same_digest_with_flat_memory() {
 
 #[test]
 fn images_import_pull_tag_label_rm_and_ctr_run() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let img = TestImage::hello("proxyimg:1");
     let archive = img.docker_archive();
     let s = p.socket();
@@ -123,8 +120,7 @@ fn images_import_pull_tag_label_rm_and_ctr_run() {
 
 #[tokio::test]
 async fn events_subscription_sees_image_event() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::plain().start();
     let sub = subscribe_first(p.socket(), format!("namespace=={NS},topic~=\"^/images/\""));
     let images = images_client(p.socket()).await;
     let mut n = 0;
@@ -153,8 +149,7 @@ async fn events_subscription_sees_image_event() {
 #[tokio::test]
 async fn three_hundred_concurrent_streams_on_one_connection() {
     const STREAMS: usize = 300;
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::plain().start();
     let channel = containerd_channel(p.socket()).await; // one connection, shared
     let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let release = tokio_util::sync::CancellationToken::new();
@@ -210,12 +205,7 @@ fn create_request(name: impl Into<String>, digit: char) -> tonic::Request<api::C
         api::CreateImageRequest {
             image: Some(api::Image {
                 name: name.into(),
-                target: Some(containerd_client::types::Descriptor {
-                    media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                    digest: format!("sha256:{}", digit.to_string().repeat(64)),
-                    size: 1,
-                    ..Default::default()
-                }),
+                target: Some(placeholder_manifest(digit)),
                 ..Default::default()
             }),
             ..Default::default()
@@ -249,11 +239,7 @@ fn subscribe_first(
 
 #[tokio::test]
 async fn cri_image_status_and_pod_through_proxy() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("criproxy:1");
     c.ctr_ok(
         "k8s.io",
@@ -272,14 +258,7 @@ async fn cri_image_status_and_pod_through_proxy() {
         st.repo_tags
     );
     // run_pod returns only once the container's log shows the text.
-    let pod = run_pod(
-        p.socket(),
-        &img.normalized(),
-        &[],
-        &hello_text("criproxy:1"),
-    )
-    .await;
-    pod.cleanup().await;
+    run_hello_pod(p.socket(), &img.normalized(), "criproxy:1").await;
 }
 
 /// Raw unary call with an arbitrary path, so unknown services can be tried.
@@ -328,8 +307,7 @@ impl Message for RawMsg {
 
 #[tokio::test]
 async fn unknown_service_and_errors_match_containerd() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let e = raw_call(
         p.socket(),
         "/containerd.services.nosuch.v1.Nope/Call",
@@ -355,12 +333,7 @@ async fn unknown_service_and_errors_match_containerd() {
             .unwrap_err();
         let img = api::Image {
             name: format!("dup-{}", errs.len()),
-            target: Some(containerd_client::types::Descriptor {
-                media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-                digest: format!("sha256:{}", "1".repeat(64)),
-                size: 1,
-                ..Default::default()
-            }),
+            target: Some(placeholder_manifest('1')),
             ..Default::default()
         };
         let create = |i: api::Image| {
@@ -397,8 +370,7 @@ async fn unknown_service_and_errors_match_containerd() {
 
 #[tokio::test]
 async fn large_metadata_and_large_messages_pass() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::plain().start();
     let mut v = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
     let mut req = tonic::Request::new(());
     req.metadata_mut()
@@ -415,12 +387,7 @@ async fn large_metadata_and_large_messages_pass() {
     let img = api::Image {
         name: "big:1".into(),
         labels,
-        target: Some(containerd_client::types::Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: format!("sha256:{}", "2".repeat(64)),
-            size: 1,
-            ..Default::default()
-        }),
+        target: Some(placeholder_manifest('2')),
         ..Default::default()
     };
     let mut images = images_client(p.socket())
@@ -476,8 +443,7 @@ fn ttrpc_frame(service: &str, method: &str, payload: Vec<u8>) -> Vec<u8> {
 
 #[tokio::test]
 async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let ttrpc_sock = format!("{}.ttrpc", p.socket().display());
     let sub = subscribe_first(c.socket(), "topic==\"/imgbridge/ttrpc-test\"".into());
     let envelope = containerd_client::types::Envelope {
@@ -534,8 +500,7 @@ async fn ttrpc_events_forward_reaches_containerd_through_listen_ttrpc() {
 
 #[tokio::test]
 async fn containerd_restart_fails_fast_then_serves_again() {
-    let mut c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (mut c, p) = Scenario::plain().start();
     let mut v = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
     v.version(()).await.unwrap();
     c.kill9();
@@ -571,22 +536,17 @@ async fn containerd_restart_fails_fast_then_serves_again() {
     }
     // The fallback connection is sent away (GOAWAY) once containerd answers;
     // the client's next connection is spliced.
-    assert!(
-        poll(Duration::from_secs(5), || p
-            .log()
-            .contains("moving the client to a spliced connection")
-            .then_some(()))
-        .is_some(),
-        "fallback connection was not moved:\n{}",
-        p.log_tail()
+    p.wait_for_log(
+        "moving the client to a spliced connection",
+        Duration::from_secs(5),
+        "fallback connection was not moved",
     );
     late.version(()).await.expect("served after the move");
 }
 
 #[test]
 fn socket_mode_stale_socket_and_live_socket() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let meta = std::fs::metadata(p.socket()).unwrap();
     assert_eq!(meta.mode() & 0o777, 0o660);
     assert_eq!((meta.uid(), meta.gid()), (0, 0));
@@ -637,8 +597,7 @@ fn socket_mode_stale_socket_and_live_socket() {
 
 #[tokio::test]
 async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::plain().start();
     let data: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
     let digest = sha256_digest(&data);
     let dir = tempdir("blob-");
@@ -692,10 +651,8 @@ async fn sigterm_lets_in_flight_stream_finish_and_removes_socket() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_upstream_call() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
     let reference = "cancel-me";
-    let (tx, replies) = hold_ingest(p.socket(), c.socket(), reference, None).await;
+    let (c, _p, tx, replies) = held_ingest(reference, None).await;
     // The client goes away without closing its stream cleanly.
     drop(replies);
     drop(tx);
@@ -711,16 +668,8 @@ async fn client_disconnect_cancels_upstream_call() {
 /// here; [`grpc_timeout_reaches_containerd`] shows the header alone does.
 #[tokio::test]
 async fn client_deadline_ends_upstream_call() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
     let reference = "deadline-me";
-    let (_tx, mut replies) = hold_ingest(
-        p.socket(),
-        c.socket(),
-        reference,
-        Some(Duration::from_secs(2)),
-    )
-    .await;
+    let (c, _p, _tx, mut replies) = held_ingest(reference, Some(Duration::from_secs(2))).await;
     let ended = tokio::time::timeout(Duration::from_secs(10), replies.message())
         .await
         .expect("the call outlived its 2 s deadline by 8 s");
@@ -744,8 +693,7 @@ async fn client_deadline_ends_upstream_call() {
 #[tokio::test]
 async fn grpc_timeout_reaches_containerd() {
     use http_body_util::BodyExt;
-    let c = Containerd::start(ContainerdOpts::default());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::plain().start();
     let mut send = h2_connect(p.socket()).await;
     let req = http::Request::post("http://x/containerd.services.events.v1.Events/Subscribe")
         .header("content-type", "application/grpc")
@@ -817,6 +765,22 @@ async fn hold_ingest(
     };
     assert_eq!(locked.code(), tonic::Code::Unavailable, "{locked:?}");
     (tx, replies)
+}
+
+/// A containerd and an imgbridge in front of it, with `reference` held
+/// through imgbridge (see [`hold_ingest`]).
+async fn held_ingest(
+    reference: &str,
+    deadline: Option<Duration>,
+) -> (
+    Containerd,
+    Imgbridge,
+    tokio::sync::mpsc::Sender<api::WriteContentRequest>,
+    tonic::Streaming<api::WriteContentResponse>,
+) {
+    let (c, p) = Scenario::plain().start();
+    let (tx, replies) = hold_ingest(p.socket(), c.socket(), reference, deadline).await;
+    (c, p, tx, replies)
 }
 
 /// Whether containerd lets a new writer take `reference` within 10 s.

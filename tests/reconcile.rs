@@ -19,15 +19,14 @@ use prost::Message;
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";
 
-/// A base image in `buildkit` (written directly) and its target descriptor.
-async fn seed(c: &Containerd, name_tag: &str) -> (Arc<TestImage>, Descriptor) {
+/// A containerd with CRI whose `buildkit` already holds `name_tag`
+/// (written directly, before any imgbridge), and that image's target.
+async fn seeded(name_tag: &str) -> (Containerd, Arc<TestImage>, Descriptor) {
+    let c = Scenario::cri().containerd();
     let img = TestImage::hello(name_tag);
-    c.ctr_ok(
-        SRC,
-        ["images", "import", img.docker_archive().to_str().unwrap()],
-    );
+    ctr_import(c.socket(), SRC, &img.docker_archive());
     let t = image_target(c.socket(), SRC, &img.normalized()).await;
-    (img, t)
+    (c, img, t)
 }
 
 /// Images of `buildkit` whose replica is missing or has another target.
@@ -64,26 +63,14 @@ async fn all_replicated(sock: &Path, within: Duration) -> Result<(), Vec<String>
 
 #[tokio::test]
 async fn start_pass_repairs_and_second_pass_writes_nothing() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let (img, t) = seed(&c, "pre:1").await;
-    images_client(c.socket())
-        .await
-        .create(create_image_req(SRC, "pre-tag:1", &t))
-        .await
-        .unwrap();
+    let (c, img, t) = seeded("pre:1").await;
+    create_image(c.socket(), SRC, "pre-tag:1", &t).await;
     // A stale replica (other digest) and a replica missing its label.
     let other = Descriptor {
         digest: format!("sha256:{}", "5".repeat(64)),
         ..t.clone()
     };
-    images_client(c.socket())
-        .await
-        .create(create_image_req(K8S, "docker.io/library/pre-tag:1", &other))
-        .await
-        .unwrap();
+    create_image(c.socket(), K8S, "docker.io/library/pre-tag:1", &other).await;
     let sync = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_imgbridge"))
             .args(["sync", "--upstream", c.socket().to_str().unwrap()])
@@ -129,11 +116,7 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
         size: 7,
         ..t.clone()
     };
-    images_client(c.socket())
-        .await
-        .create(create_image_req(SRC, "garbage:1", &garbage))
-        .await
-        .unwrap();
+    create_image(c.socket(), SRC, "garbage:1", &garbage).await;
     let out = sync(&[]);
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -145,11 +128,7 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
 
 #[tokio::test]
 async fn serve_start_pass_and_events_backstop_within_a_second() {
-    let mut c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let (_img, t) = seed(&c, "early:1").await;
+    let (mut c, _img, t) = seeded("early:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     all_replicated(c.socket(), Duration::from_secs(10))
         .await
@@ -158,10 +137,11 @@ async fn serve_start_pass_and_events_backstop_within_a_second() {
     // After a containerd restart the subscription is renewed.
     c.kill9();
     c.restart();
-    let v = poll(Duration::from_secs(10), || {
-        p.log().contains("event subscription ended").then_some(())
-    });
-    assert!(v.is_some(), "{}", p.log_tail());
+    p.wait_for_log(
+        "event subscription ended",
+        Duration::from_secs(10),
+        "the subscription did not see containerd go",
+    );
     poll_async(Duration::from_secs(10), || async {
         (p.log().matches("reconcile pass done").count() >= 2).then_some(())
     })
@@ -170,34 +150,41 @@ async fn serve_start_pass_and_events_backstop_within_a_second() {
     bypass_write_replicated_within_a_second(&c, "after-restart:1", &t).await;
 }
 
-/// Writes image `name` on containerd's own socket, bypassing imgbridge: the
-/// events backstop must replicate it within a second.
-async fn bypass_write_replicated_within_a_second(c: &Containerd, name: &str, t: &Descriptor) {
-    images_client(c.socket())
-        .await
-        .create(create_image_req(SRC, name, t))
-        .await
-        .unwrap();
+/// Every `buildkit` image is replicated within `bound` from now (waiting
+/// up to `give_up` to say what is missing); `what` names the failure.
+async fn converges_within(
+    sock: &Path,
+    bound: Duration,
+    give_up: Duration,
+    what: impl FnOnce() -> String,
+) {
     let t0 = Instant::now();
-    all_replicated(c.socket(), Duration::from_secs(5))
-        .await
-        .unwrap_or_else(|missing| {
-            panic!("{name}: not replicated by the events backstop: {missing:?}")
-        });
+    if let Err(missing) = all_replicated(sock, give_up).await {
+        panic!("{}: {missing:?}", what());
+    }
     assert!(
-        t0.elapsed() < Duration::from_secs(1),
-        "{name} took {:?}",
+        t0.elapsed() < bound,
+        "converged after {:?}, over {bound:?}",
         t0.elapsed()
     );
 }
 
+/// Writes image `name` on containerd's own socket, bypassing imgbridge: the
+/// events backstop must replicate it within a second.
+async fn bypass_write_replicated_within_a_second(c: &Containerd, name: &str, t: &Descriptor) {
+    create_image(c.socket(), SRC, name, t).await;
+    converges_within(
+        c.socket(),
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+        || format!("{name}: not replicated by the events backstop"),
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn containerd_killed_during_creates_converges_within_two_seconds() {
-    let mut c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let (_img, t) = seed(&c, "fault:1").await;
+    let (mut c, _img, t) = seeded("fault:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     let mut created = 0;
     for i in 0..20 {
@@ -218,23 +205,18 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
             c.restart();
         }
     }
-    let back = Instant::now();
-    let r = all_replicated(c.socket(), Duration::from_secs(10)).await;
-    assert!(r.is_ok(), "not converged: {:?}\n{}", r, p.log_tail());
-    assert!(
-        back.elapsed() < Duration::from_secs(2),
-        "converged after {:?}",
-        back.elapsed()
-    );
+    converges_within(
+        c.socket(),
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+        || format!("not converged\n{}", p.log_tail()),
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn imgbridge_killed_mid_replication_restart_converges() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let (_img, t) = seed(&c, "crash:1").await;
+    let (c, _img, t) = seeded("crash:1").await;
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
     let writer = tokio::spawn(async move {
@@ -350,11 +332,7 @@ async fn fake_handle(real: PathBuf, req: front::Request) -> front::Response {
 
 #[tokio::test]
 async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    });
-    let (img, _t) = seed(&c, "xfer:1").await;
+    let (c, img, _t) = seeded("xfer:1").await;
     let dir = tempdir("fake2x-");
     // The real Transfer service where there is one (1.7, 2.x).
     let real = flavor().has_transfer();

@@ -18,26 +18,6 @@ use serde_json::json;
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";
 
-/// CRI on, `content_sharing_policy = "isolated"`: blobs must be copied.
-fn isolated() -> ContainerdOpts {
-    ContainerdOpts {
-        cri: true,
-        isolated: true,
-        ..Default::default()
-    }
-}
-
-fn cri() -> ContainerdOpts {
-    ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    }
-}
-
-fn import_via(sock: &Path, ns: &str, archive: &Path) {
-    ctr_ok(sock, ns, ["images", "import", archive.to_str().unwrap()]);
-}
-
 /// Blobs of a test image's OCI layout: (manifest, config, layers).
 struct Blobs {
     layout: PathBuf,
@@ -89,12 +69,14 @@ fn gc_label(sock: &Path, ns: &str, parent: &str, children: &[(&str, &str)]) {
     ctr_ok(sock, ns, args);
 }
 
-/// Digests of an image's manifest, config and layers as stored in `ns`.
-fn stored_blobs(sock: &Path, ns: &str, manifest: &str) -> Vec<String> {
-    let out = ctr_ok(sock, ns, ["content", "get", manifest]);
+/// Digests of the manifest, config and layers of the replica `name` in
+/// k8s.io, read from the manifest as stored in `ns`.
+async fn replica_blobs(sock: &Path, ns: &str, name: &str) -> Vec<String> {
+    let manifest = image_target(sock, K8S, name).await.digest;
+    let out = ctr_ok(sock, ns, ["content", "get", &manifest]);
     let m: serde_json::Value = serde_json::from_str(&out).unwrap();
     let mut d = vec![
-        manifest.to_string(),
+        manifest,
         m["config"]["digest"].as_str().unwrap().to_string(),
     ];
     d.extend(
@@ -113,10 +95,9 @@ fn target_of(img: &api::Image) -> String {
 
 #[tokio::test]
 async fn ctr_import_is_visible_to_cri_on_return_and_runs_as_pod() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("rywimport:1");
-    import_via(p.socket(), SRC, &img.docker_archive());
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     // Read-your-writes: no polling.
     let st = cri_image_status(c.socket(), &img.normalized())
         .await
@@ -139,23 +120,14 @@ async fn ctr_import_is_visible_to_cri_on_return_and_runs_as_pod() {
         get_image(c.socket(), K8S, &digest_ref).await.is_some(),
         "digest ref record"
     );
-    let pod = run_pod(
-        c.socket(),
-        &img.normalized(),
-        &[],
-        &hello_text("rywimport:1"),
-    )
-    .await;
-    pod.cleanup().await;
+    run_hello_pod(c.socket(), &img.normalized(), "rywimport:1").await;
 }
 
 #[tokio::test]
 async fn pull_tag_label_rm_through_proxy() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(
-        c.socket(),
-        &["--config", &write_config("pin = true\n").to_string_lossy()],
-    );
+    let (c, p) = Scenario::cri()
+        .config("[replication]\npin = true\n")
+        .start();
     let reg = Registry::start();
     let img = TestImage::hello("pulled:2");
     let pushed = img.push(&reg.addr());
@@ -192,20 +164,12 @@ async fn pull_tag_label_rm_through_proxy() {
     );
 }
 
-fn write_config(replication: &str) -> PathBuf {
-    let dir = tempdir("cfg-").keep();
-    let p = dir.join("config.toml");
-    std::fs::write(&p, format!("[replication]\n{replication}")).unwrap();
-    p
-}
-
 #[tokio::test]
 async fn buildkit_sequence_update_notfound_create() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("bk:1");
     // Content in buildkit under another name, written directly (not replicated).
-    import_via(c.socket(), SRC, &img.docker_archive());
+    ctr_import(c.socket(), SRC, &img.docker_archive());
     let target = image_target(c.socket(), SRC, &img.normalized()).await;
     let mut cl = images_client(p.socket()).await;
     let image = api::Image {
@@ -238,7 +202,7 @@ async fn buildkit_sequence_update_notfound_create() {
     assert_eq!(st.expect("visible on return").id, img.config_digest());
     // buildkit re-exports: Update without mask now succeeds and stays in sync.
     let other = TestImage::hello("bk:2");
-    import_via(c.socket(), SRC, &other.docker_archive());
+    ctr_import(c.socket(), SRC, &other.docker_archive());
     let t2 = image_target(c.socket(), SRC, &other.normalized()).await;
     let image = api::Image {
         name: "bk-export:1".into(),
@@ -271,17 +235,13 @@ async fn buildkit_sequence_update_notfound_create() {
 
 #[tokio::test]
 async fn isolated_content_sharing_copies_bytes() {
-    let c = Containerd::start(isolated());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().isolated().start();
     let img = TestImage::hello("iso:1");
-    import_via(p.socket(), SRC, &img.docker_archive());
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
         .is_some());
-    let manifest = image_target(c.socket(), K8S, &img.normalized())
-        .await
-        .digest;
-    for d in stored_blobs(c.socket(), SRC, &manifest) {
+    for d in replica_blobs(c.socket(), SRC, &img.normalized()).await {
         let src = ctr(c.socket(), SRC, ["content", "get", &d]);
         let dst = ctr(c.socket(), K8S, ["content", "get", &d]);
         assert!(
@@ -294,8 +254,7 @@ async fn isolated_content_sharing_copies_bytes() {
             "{d}: bytes differ"
         );
     }
-    let pod = run_pod(c.socket(), &img.normalized(), &[], &hello_text("iso:1")).await;
-    pod.cleanup().await;
+    run_hello_pod(c.socket(), &img.normalized(), "iso:1").await;
 }
 
 /// Several large blobs copied at once (isolated content): the copies must
@@ -303,11 +262,10 @@ async fn isolated_content_sharing_copies_bytes() {
 /// one shared HTTP/2 connection until the replication timed out).
 #[tokio::test]
 async fn isolated_concurrent_large_copies_complete() {
-    let c = Containerd::start(isolated());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().isolated().start();
     let img = TestImage::build("isobig:1", 4, &[], 12 << 20);
     let started = Instant::now();
-    import_via(p.socket(), SRC, &img.docker_archive());
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     assert!(
         started.elapsed() < Duration::from_secs(60),
         "import through the proxy took {:?}",
@@ -316,10 +274,7 @@ async fn isolated_concurrent_large_copies_complete() {
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
         .is_some());
-    let manifest = image_target(c.socket(), K8S, &img.normalized())
-        .await
-        .digest;
-    for d in stored_blobs(c.socket(), SRC, &manifest) {
+    for d in replica_blobs(c.socket(), SRC, &img.normalized()).await {
         let src = content_info(c.socket(), SRC, &d).await.expect("in source");
         let dst = content_info(c.socket(), K8S, &d)
             .await
@@ -330,8 +285,7 @@ async fn isolated_concurrent_large_copies_complete() {
 
 #[tokio::test]
 async fn lazy_layer_written_after_create_is_linked_within_a_second() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("lazy:1");
     let b = blobs(&img);
     ctr_ingest(c.socket(), SRC, &b.config, &blob_path(&b.layout, &b.config));
@@ -351,11 +305,7 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let refs: Vec<(&str, &str)> = refs.iter().map(|(k, d)| (k.as_str(), d.as_str())).collect();
     gc_label(c.socket(), SRC, &b.manifest.digest, &refs);
     let t = Instant::now();
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "lazy:1", &b.manifest))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "lazy:1", &b.manifest).await;
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "missing layers must not block the reply"
@@ -389,20 +339,12 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
         "linked after {:?}",
         appeared.elapsed()
     );
-    let pod = run_pod(
-        c.socket(),
-        "docker.io/library/lazy:1",
-        &[],
-        &hello_text("lazy:1"),
-    )
-    .await;
-    pod.cleanup().await;
+    run_hello_pod(c.socket(), "docker.io/library/lazy:1", "lazy:1").await;
 }
 
 #[tokio::test]
 async fn two_platform_index_with_only_host_platform_present_runs() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("multi:1");
     let b = blobs(&img);
     for d in b
@@ -439,11 +381,7 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         size: index.len() as i64,
         ..Default::default()
     };
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "multi:1", &target))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "multi:1", &target).await;
     let st = cri_image_status(c.socket(), "docker.io/library/multi:1")
         .await
         .expect("host platform resolves");
@@ -454,14 +392,7 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         Some(&absent),
         "children kept alive via gc labels"
     );
-    let pod = run_pod(
-        c.socket(),
-        "docker.io/library/multi:1",
-        &[],
-        &hello_text("multi:1"),
-    )
-    .await;
-    pod.cleanup().await;
+    run_hello_pod(c.socket(), "docker.io/library/multi:1", "multi:1").await;
     assert!(
         p.log().contains("will link it when it appears"),
         "pending work is logged"
@@ -470,17 +401,19 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
 
 #[tokio::test]
 async fn delete_policies() {
-    let c = Containerd::start(cri());
+    let c = Scenario::cri().containerd();
     let img = TestImage::hello("del:1");
-    import_via(c.socket(), SRC, &img.docker_archive());
+    ctr_import(c.socket(), SRC, &img.docker_archive());
     let target = image_target(c.socket(), SRC, &img.normalized()).await;
     for (policy, name) in [
         ("unpin", "del-unpin:1"),
         ("delete", "del-delete:1"),
         ("keep", "del-keep:1"),
     ] {
-        let cfg = write_config(&format!("pin = true\ndelete_policy = \"{policy}\"\n"));
-        let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+        let p = Imgbridge::with_config(
+            c.socket(),
+            &format!("[replication]\npin = true\ndelete_policy = \"{policy}\"\n"),
+        );
         let mut cl = images_client(p.socket()).await;
         cl.create(create_image_req(SRC, name, &target))
             .await
@@ -524,14 +457,10 @@ async fn delete_policies() {
     }
     // A k8s.io image imgbridge did not write is never touched. Reconcile is
     // off so the source record created behind our back is not replicated.
-    let dir = tempdir("cfg-");
-    let cfg = dir.path().join("c.toml");
-    std::fs::write(
-        &cfg,
+    let p = Imgbridge::with_config(
+        c.socket(),
         "[replication]\npin = true\ndelete_policy = \"delete\"\n[reconcile]\nenabled = false\n",
-    )
-    .unwrap();
-    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    );
     let direct = |ns: &str, name: &str| create_image_req(ns, name, &target);
     let mut cl = images_client(c.socket()).await;
     cl.create(direct(K8S, "docker.io/library/theirs:1"))
@@ -560,20 +489,14 @@ async fn delete_policies() {
 
 #[tokio::test]
 async fn replica_survives_gc_and_pod_still_runs() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("gcsafe:1");
-    import_via(p.socket(), SRC, &img.docker_archive());
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     // Remove the source too, so only the replica holds the content.
     c.ctr_ok(SRC, ["images", "rm", &img.normalized()]);
     let dummy = api::Image {
         name: "dummy:1".into(),
-        target: Some(Descriptor {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: format!("sha256:{}", "4".repeat(64)),
-            size: 1,
-            ..Default::default()
-        }),
+        target: Some(placeholder_manifest('4')),
         ..Default::default()
     };
     let mut cl = images_client(c.socket()).await;
@@ -596,25 +519,20 @@ async fn replica_survives_gc_and_pod_still_runs() {
     ))
     .await
     .unwrap();
-    let manifest = image_target(c.socket(), K8S, &img.normalized())
-        .await
-        .digest;
-    for d in stored_blobs(c.socket(), K8S, &manifest) {
+    for d in replica_blobs(c.socket(), K8S, &img.normalized()).await {
         assert!(
             content_info(c.socket(), K8S, &d).await.is_some(),
             "{d} collected by GC"
         );
     }
-    let pod = run_pod(c.socket(), &img.normalized(), &[], &hello_text("gcsafe:1")).await;
-    pod.cleanup().await;
+    run_hello_pod(c.socket(), &img.normalized(), "gcsafe:1").await;
 }
 
 #[tokio::test]
 async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let img = TestImage::hello("burst:1");
-    import_via(p.socket(), SRC, &img.docker_archive());
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     let target = image_target(c.socket(), SRC, &img.normalized()).await;
     let mut cl = images_client(p.socket()).await;
     let mut misses = Vec::new();
@@ -635,7 +553,7 @@ async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
         let dir = tempdir("arch-");
         let f = dir.path().join("a.tar");
         img.export_docker_archive(&f, &name);
-        import_via(p.socket(), SRC, &f);
+        ctr_import(p.socket(), SRC, &f);
         if cri_image_status(c.socket(), &format!("docker.io/library/{name}"))
             .await
             .is_none()
@@ -651,12 +569,11 @@ async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
 
 #[tokio::test]
 async fn concurrent_creates_and_tags_over_fifty_names_converge() {
-    let c = Containerd::start(cri());
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (c, p) = Scenario::cri().start();
     let a = TestImage::hello("conv:a");
     let b = TestImage::hello("conv:b");
-    import_via(c.socket(), SRC, &a.docker_archive());
-    import_via(c.socket(), SRC, &b.docker_archive());
+    ctr_import(c.socket(), SRC, &a.docker_archive());
+    ctr_import(c.socket(), SRC, &b.docker_archive());
     let ta = image_target(c.socket(), SRC, &a.normalized()).await;
     let tb = image_target(c.socket(), SRC, &b.normalized()).await;
     let sock = Arc::new(p.socket().to_path_buf());
@@ -717,7 +634,7 @@ async fn concurrent_creates_and_tags_over_fifty_names_converge() {
 
 #[tokio::test]
 async fn on_failure_fail_and_warn() {
-    let c = Containerd::start(cri());
+    let c = Scenario::cri().containerd();
     // A manifest blob that is not JSON: upstream accepts the record, the
     // replication cannot walk it.
     let dir = tempdir("bad-");
@@ -777,21 +694,16 @@ async fn on_failure_fail_and_warn() {
         get_image(c.socket(), SRC, "broken:1").await.is_some(),
         "source image stays"
     );
-    let cfg = write_config("on_failure = \"warn\"\n");
-    let w = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    let w = Imgbridge::with_config(c.socket(), "[replication]\non_failure = \"warn\"\n");
     images_client(w.socket())
         .await
         .create(create_image_req(SRC, "broken:2", &target))
         .await
         .expect("warn replies OK");
-    assert!(
-        poll(Duration::from_secs(5), || w
-            .log()
-            .contains("on_failure = warn")
-            .then_some(()))
-        .is_some(),
-        "failure logged:\n{}",
-        w.log_tail()
+    w.wait_for_log(
+        "on_failure = warn",
+        Duration::from_secs(5),
+        "failure logged",
     );
 }
 
@@ -814,7 +726,7 @@ fn config_refuses_loops_and_empty_lists() {
     };
     let e = run(&["--source-namespace", "k8s.io"]);
     assert!(e.contains("both a replication source and a target"), "{e}");
-    let cfg = write_config("target_namespaces = []\n");
+    let cfg = config_file("[replication]\ntarget_namespaces = []\n");
     let e = run(&["--config", cfg.to_str().unwrap()]);
     assert!(e.contains("target_namespaces is empty"), "{e}");
     assert!(!Path::new("/tmp/imgbridge-never.sock").exists());

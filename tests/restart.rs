@@ -293,12 +293,7 @@ impl Drop for CtrEvents {
 /// holds (every subscriber has an event), for up to 10 s.
 async fn events_until(containerd: &Path, what: &str, mut seen: impl FnMut() -> bool) {
     let mut images = images_client(containerd).await;
-    let target = containerd_client::types::Descriptor {
-        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-        digest: format!("sha256:{}", "0".repeat(64)),
-        size: 1,
-        ..Default::default()
-    };
+    let target = placeholder_manifest('0');
     let deadline = Instant::now() + Duration::from_secs(10);
     while !seen() {
         assert!(Instant::now() < deadline, "{what}: no event within 10 s");
@@ -322,8 +317,7 @@ async fn events_until(containerd: &Path, what: &str, mut seen: impl FnMut() -> b
 /// failed with "…/imgbridge.sock.ttrpc is in use".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let mut p = Imgbridge::start(c.socket(), &[]);
+    let (c, mut p) = Scenario::plain().start();
     let sock = p.socket().to_path_buf();
     let ttrpc = imgbridge::app::ttrpc_path(&sock);
 
@@ -410,8 +404,7 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
 /// instance, exiting after the write, leaves the new one's sockets alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_in_flight_at_sigterm_completes_while_a_new_instance_serves() {
-    let c = Containerd::start(ContainerdOpts::default());
-    let mut p = Imgbridge::start(c.socket(), &[]);
+    let (c, mut p) = Scenario::plain().start();
     let sock = p.socket().to_path_buf();
     let ttrpc = imgbridge::app::ttrpc_path(&sock);
     let sub = tonic_subscribe(containerd_channel(&sock).await, IMAGES);
@@ -550,12 +543,7 @@ async fn held_call_finishes_in_the_drain_while_the_subscription_ends_at_once() {
     let sub = tonic_subscribe(channel.clone(), IMAGES);
     events_until(c.socket(), "subscriber", || sub.events() > 0).await;
     let mut images = api::images_client::ImagesClient::new(channel);
-    let target = containerd_client::types::Descriptor {
-        media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-        digest: format!("sha256:{}", "1".repeat(64)),
-        size: 1,
-        ..Default::default()
-    };
+    let target = placeholder_manifest('1');
     let create =
         tokio::spawn(async move { images.create(create_image_req(NS, "held:1", &target)).await });
     let held = until(Duration::from_secs(10), || {

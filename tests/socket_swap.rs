@@ -12,14 +12,9 @@ const SRC: &str = "buildkit";
 #[test]
 fn crictl_and_ctr_use_imgbridges_socket_as_containerds() {
     let reg = Registry::start();
-    let c = Containerd::start(ContainerdOpts {
-        cri: true,
-        registry_mirror: Some(reg.addr()),
-        ..Default::default()
-    });
     // imgbridge's socket stands where containerd's was; every client,
     // kubelet included, is pointed at it.
-    let p = Imgbridge::start(c.socket(), &[]);
+    let (_c, p) = Scenario::cri().registry_mirror(&reg.addr()).start();
     let Some(kubelet) = Crictl::new(p.socket()) else {
         return;
     };
@@ -33,12 +28,7 @@ fn crictl_and_ctr_use_imgbridges_socket_as_containerds() {
     // A build client writes into its namespace through the same socket;
     // kubelet sees the image at once, through it too.
     let built = TestImage::hello("swap-built:1");
-    let archive = built.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
+    ctr_import(p.socket(), SRC, &built.docker_archive());
     assert_eq!(
         kubelet.image_id(&built.normalized()),
         Some(built.config_digest())

@@ -23,19 +23,6 @@ const K8S: &str = "k8s.io";
 const PINNED: &str = "io.cri-containerd.pinned";
 const DEADLINE: Duration = Duration::from_secs(30);
 
-fn cri() -> ContainerdOpts {
-    ContainerdOpts {
-        cri: true,
-        ..Default::default()
-    }
-}
-
-fn config(dir: &Path, body: &str) -> PathBuf {
-    let p = dir.join("config.toml");
-    std::fs::write(&p, body).unwrap();
-    p
-}
-
 async fn labels(sock: &Path, name: &str) -> Option<HashMap<String, String>> {
     get_image(sock, K8S, name).await.map(|i| i.labels)
 }
@@ -84,17 +71,11 @@ async fn assert_cri_pinned(sock: &Path, name: &str, want: bool) {
 /// containerd with CRI, imgbridge with `pin = true` (its config file is
 /// returned), and `tag` imported into the source namespace through it.
 fn pinned_replica(tag: &str) -> (Containerd, Imgbridge, PathBuf, std::sync::Arc<TestImage>) {
-    let c = Containerd::start(cri());
-    let dir = tempdir("cfg-").keep();
-    let cfg = config(&dir, "[replication]\npin = true\n");
+    let c = Scenario::cri().containerd();
+    let cfg = config_file("[replication]\npin = true\n");
     let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
     let img = TestImage::hello(tag);
-    let archive = img.docker_archive();
-    ctr_ok(
-        p.socket(),
-        SRC,
-        ["images", "import", archive.to_str().unwrap()],
-    );
+    ctr_import(p.socket(), SRC, &img.docker_archive());
     (c, p, cfg, img)
 }
 
@@ -129,11 +110,7 @@ async fn delete_policy_unpin_through_imgbridge_and_directly_keeps_containerd_up(
     // Written through imgbridge, deleted behind its back: the events
     // subscription applies the policy.
     let target = image_target(c.socket(), K8S, &replica).await;
-    images_client(p.socket())
-        .await
-        .create(create_image_req(SRC, "unpin-direct:1", &target))
-        .await
-        .unwrap();
+    create_image(p.socket(), SRC, "unpin-direct:1", &target).await;
     let direct = "docker.io/library/unpin-direct:1";
     assert!(is_pinned(c.socket(), direct).await);
     images_client(c.socket())
@@ -182,13 +159,10 @@ impl Watched {
     /// writes), with the same state file every time.
     fn serve(&self, c: &Containerd) -> Imgbridge {
         let d = self.dir.path();
-        let cfg = config(
-            d,
-            &format!(
-                "[reconcile]\nenabled = false\n[import]\nstate_file = \"{}\"\ndebounce = \"200ms\"\n",
-                d.join("state.json").display()
-            ),
-        );
+        let cfg = config_file(&format!(
+            "[reconcile]\nenabled = false\n[import]\nstate_file = \"{}\"\ndebounce = \"200ms\"\n",
+            d.join("state.json").display()
+        ));
         let watch = d.join("images");
         Imgbridge::start(
             c.socket(),
@@ -206,7 +180,7 @@ impl Watched {
 /// restarted as well: the next start still owes the unpin and pays it.
 #[tokio::test]
 async fn watch_dir_unpin_owed_across_restarts_is_paid() {
-    let mut c = Containerd::start(cri());
+    let mut c = Scenario::cri().containerd();
     let w = Watched::new("watched-owed:1");
     let mut p = w.serve(&c);
     w.drop_in();
@@ -227,7 +201,7 @@ async fn watch_dir_unpin_owed_across_restarts_is_paid() {
 /// again by `imgbridge import` of the same file; containerd stays up.
 #[tokio::test]
 async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
-    let mut c = Containerd::start(cri());
+    let mut c = Scenario::cri().containerd();
     let pid = c.pid();
     let w = Watched::new("watched:1");
     let mut p = w.serve(&c);
@@ -241,17 +215,12 @@ async fn watch_dir_unpin_and_cli_import_repin_keep_containerd_up() {
     let img = &w.img;
 
     // The one-shot CLI pins what it imports.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+    let mut import = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"));
+    import
         .args(["import", "--upstream"])
         .arg(c.socket())
-        .arg(img.docker_archive())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "imgbridge import: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(img.docker_archive());
+    run_ok(import);
     wait_pin(c.socket(), &name, true).await;
     c.assert_still_running(pid);
 }
@@ -300,12 +269,10 @@ async fn transfer_import_pull_and_tag_are_replicated_before_ctr_returns() {
         eprintln!("containerd {} has no Transfer service", flavor().version);
         return;
     }
-    let mut c = Containerd::start(cri());
+    let mut c = Scenario::cri().containerd();
     let pid = c.pid();
-    let dir = tempdir("cfg-");
     // Reconcile off: only the Transfer interception can replicate.
-    let cfg = config(dir.path(), "[reconcile]\nenabled = false\n");
-    let p = Imgbridge::start(c.socket(), &["--config", cfg.to_str().unwrap()]);
+    let p = Imgbridge::with_config(c.socket(), "[reconcile]\nenabled = false\n");
     let resolves = |name: String| {
         let sock = c.socket().to_path_buf();
         async move { cri_image_status(&sock, &name).await.map(|i| i.id) }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tempfile::TempDir;
 
 use super::{
-    flavor, output_with_timeout, poll, snapshotter, tempdir, unique_name, Daemon, READY_TIMEOUT,
+    flavor, output_with_timeout, poll, snapshotter, tempdir, unique_name, Daemon, NotReady,
     TOOL_TIMEOUT,
 };
 
@@ -298,26 +298,21 @@ impl Buildkitd {
         fs::write(d.join("buildkitd.toml"), cfg).unwrap();
         let mut cmd = peer.command("buildkitd");
         cmd.arg("--config").arg(d.join("buildkitd.toml"));
-        let daemon = Daemon::spawn("buildkitd", cmd, &d.join("buildkitd.log"));
-        let mut b = Buildkitd {
+        let mut daemon = Daemon::spawn("buildkitd", cmd, &d.join("buildkitd.log"));
+        let workers = || buildctl(peer, &addr, ["debug", "workers"]).status.success();
+        match daemon.wait_ready(workers) {
+            Ok(()) => {}
+            Err(NotReady::Exited(st)) => {
+                panic!("buildkitd exited ({st}):\n{}", daemon.log_tail(40))
+            }
+            Err(NotReady::TimedOut) => panic!("buildkitd not ready:\n{}", daemon.log_tail(40)),
+        }
+        Some(Buildkitd {
             peer,
             daemon,
             addr,
             dir,
-        };
-        let ready = poll(READY_TIMEOUT, || {
-            if let Some(st) = b.daemon.try_reap() {
-                panic!("buildkitd exited ({st}):\n{}", b.daemon.log_tail(40));
-            }
-            b.buildctl(["debug", "workers"])
-                .status
-                .success()
-                .then_some(())
-        });
-        if ready.is_none() {
-            panic!("buildkitd not ready:\n{}", b.daemon.log_tail(40));
-        }
-        Some(b)
+        })
     }
 
     pub fn buildctl<I, S>(&self, args: I) -> Output
@@ -325,9 +320,7 @@ impl Buildkitd {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = self.peer.command("buildctl");
-        cmd.args(["--addr", &self.addr]).args(args);
-        output_with_timeout(cmd, TOOL_TIMEOUT)
+        buildctl(self.peer, &self.addr, args)
     }
 
     /// `buildctl build` of `dockerfile` with `files` as its context and
@@ -368,6 +361,17 @@ impl Buildkitd {
     pub fn log_tail(&self) -> String {
         self.daemon.log_tail(60)
     }
+}
+
+/// `buildctl --addr <addr> <args...>`.
+fn buildctl<I, S>(peer: &Peer, addr: &str, args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut cmd = peer.command("buildctl");
+    cmd.args(["--addr", addr]).args(args);
+    output_with_timeout(cmd, TOOL_TIMEOUT)
 }
 
 // ---------------------------------------------------------------------------

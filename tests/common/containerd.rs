@@ -1,0 +1,449 @@
+//! A private containerd per test: config, start, restart, stop.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::os::unix::net::UnixStream as StdUnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::*;
+
+/// Options for [`Containerd::start`].
+#[derive(Clone, Debug, Default)]
+pub struct ContainerdOpts {
+    /// Enable the CRI plugin (and import [`PAUSE_IMAGE`] into `k8s.io`).
+    pub cri: bool,
+    /// `content_sharing_policy = "isolated"` for the bolt metadata plugin.
+    pub isolated: bool,
+    /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
+    pub registry_mirror: Option<String>,
+}
+
+/// A private containerd (the [`flavor`] under test) on sockets in its own temp dir.
+pub struct Containerd {
+    opts: ContainerdOpts,
+    daemon: Daemon,
+    config: PathBuf,
+    sock: PathBuf,
+    ttrpc: PathBuf,
+    dir: TempDir,
+}
+
+impl Containerd {
+    /// Writes a config, starts containerd and waits until `ctr version`
+    /// succeeds (and, with `cri`, until CRI resolves the imported pause image).
+    pub fn start(opts: ContainerdOpts) -> Containerd {
+        let dir = tempdir("containerd-");
+        let d = dir.path();
+        let sock = d.join("containerd.sock");
+        let ttrpc = d.join("containerd.sock.ttrpc");
+        let config = d.join("config.toml");
+        fs::write(&config, containerd_config(d, &opts)).expect("write containerd config");
+        let daemon = Self::spawn(&config, &sock, d);
+        let mut c = Containerd {
+            opts,
+            daemon,
+            config,
+            sock,
+            ttrpc,
+            dir,
+        };
+        c.wait_ready();
+        if c.opts.cri {
+            let archive = pause_image().docker_archive();
+            c.ctr_ok(
+                "k8s.io",
+                [
+                    OsStr::new("images"),
+                    OsStr::new("import"),
+                    archive.as_os_str(),
+                ],
+            );
+            c.wait_cri_ready();
+        }
+        c
+    }
+
+    fn spawn(config: &Path, sock: &Path, dir: &Path) -> Daemon {
+        let mut cmd = flavor().command("containerd");
+        cmd.arg("--config").arg(config);
+        // Keep containerd away from any system-wide client settings.
+        cmd.env_remove("CONTAINERD_ADDRESS")
+            .env_remove("CONTAINERD_NAMESPACE");
+        let mut addrs = SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner());
+        if !addrs.iter().any(|a| a == sock) {
+            addrs.push(sock.to_path_buf());
+        }
+        drop(addrs);
+        Daemon::spawn("containerd", cmd, &dir.join("containerd.log"))
+    }
+
+    fn wait_ready(&mut self) {
+        let start = Instant::now();
+        let sock = self.sock.clone();
+        let ready = self.daemon.wait_ready(|| {
+            StdUnixStream::connect(&sock).is_ok()
+                && ctr(&sock, "default", ["version"]).status.success()
+        });
+        match ready {
+            Ok(()) => {}
+            Err(NotReady::Exited(status)) => panic!(
+                "containerd exited during startup ({status}); log tail:\n{}",
+                self.log_tail()
+            ),
+            Err(NotReady::TimedOut) => panic!(
+                "containerd not ready after {:?} (socket {}); log tail:\n{}",
+                start.elapsed(),
+                self.sock.display(),
+                self.log_tail()
+            ),
+        }
+    }
+
+    fn wait_cri_ready(&mut self) {
+        let sock = self.sock.clone();
+        let found = block_on_thread(async move {
+            poll_async(READY_TIMEOUT, || {
+                let sock = sock.clone();
+                async move {
+                    match try_cri_image_status(&sock, PAUSE_IMAGE).await {
+                        Ok(Some(_)) => Some(()),
+                        _ => None,
+                    }
+                }
+            })
+            .await
+        });
+        if found.is_none() {
+            panic!(
+                "CRI did not resolve {PAUSE_IMAGE} within {READY_TIMEOUT:?}; log tail:\n{}",
+                self.log_tail()
+            );
+        }
+    }
+
+    /// gRPC socket.
+    pub fn socket(&self) -> &Path {
+        &self.sock
+    }
+
+    /// ttrpc socket.
+    pub fn ttrpc_socket(&self) -> &Path {
+        &self.ttrpc
+    }
+
+    /// Temp dir holding config, root, state, sockets and log.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Root directory (`root = ...` in the config).
+    pub fn root(&self) -> PathBuf {
+        self.dir.path().join("root")
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("containerd.log")
+    }
+
+    pub fn opts(&self) -> ContainerdOpts {
+        self.opts.clone()
+    }
+
+    /// Pid of the running containerd. Panics if it is stopped.
+    pub fn pid(&self) -> u32 {
+        self.daemon.pid().expect("containerd is not running")
+    }
+
+    /// Last 60 lines of the containerd log (accumulates across restarts).
+    pub fn log_tail(&self) -> String {
+        self.daemon.log_tail(60)
+    }
+
+    /// Panics, with the log tail (where a Go panic shows), unless the
+    /// containerd that had `pid` is still the one running: imgbridge must
+    /// never take the runtime down.
+    pub fn assert_still_running(&mut self, pid: u32) {
+        if let Some(st) = self.daemon.try_reap() {
+            panic!(
+                "containerd {} (pid {pid}) died ({st}); log tail:\n{}",
+                flavor().version,
+                self.log_tail()
+            );
+        }
+        assert_eq!(self.pid(), pid, "containerd was restarted");
+        assert!(
+            !fs::read_to_string(self.log_path())
+                .unwrap_or_default()
+                .contains("panic:"),
+            "containerd logged a panic; log tail:\n{}",
+            self.log_tail()
+        );
+    }
+
+    /// SIGKILL containerd (its shims keep running, as in a real crash).
+    pub fn kill9(&mut self) {
+        self.daemon.kill9();
+    }
+
+    /// Graceful stop: SIGTERM, wait up to [`STOP_GRACE`], then SIGKILL.
+    pub fn stop(&mut self) {
+        self.daemon.stop();
+    }
+
+    /// Starts containerd again with the same config/root/state (stopping it
+    /// first if it is still running) and waits until it serves again.
+    pub fn restart(&mut self) {
+        if self.daemon.running() {
+            self.stop();
+        }
+        self.daemon = Self::spawn(&self.config, &self.sock, self.dir.path());
+        self.wait_ready();
+        if self.opts.cri {
+            self.wait_cri_ready();
+        }
+    }
+
+    /// [`ctr`] against this containerd.
+    pub fn ctr<I, S>(&self, ns: &str, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        ctr(&self.sock, ns, args)
+    }
+
+    /// [`ctr_ok`] against this containerd.
+    pub fn ctr_ok<I, S>(&self, ns: &str, args: I) -> String
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        ctr_ok(&self.sock, ns, args)
+    }
+}
+
+impl Containerd {
+    /// Best effort, never panics: force-deletes every task in every namespace
+    /// through the live containerd, so runc removes cgroups, mounts and state
+    /// and the shims exit cleanly.
+    fn delete_all_tasks(&self) {
+        let run = |ns: &str, args: &[&str]| -> Option<String> {
+            let out =
+                try_output_with_timeout(ctr_command(&self.sock, ns, args), Duration::from_secs(30))
+                    .ok()?;
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        };
+        let Some(namespaces) = run("default", &["namespaces", "ls", "-q"]) else {
+            return;
+        };
+        for ns in namespaces.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let Some(tasks) = run(ns, &["tasks", "ls", "-q"]) else {
+                continue;
+            };
+            let ids: Vec<&str> = tasks
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            if !ids.is_empty() {
+                let mut args = vec!["tasks", "delete", "--force"];
+                args.extend(ids);
+                let _ = run(ns, &args);
+            }
+        }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if self.daemon.running() && !shims_of(&self.sock).is_empty() {
+            self.delete_all_tasks();
+        }
+        self.daemon.stop();
+        kill_shims(&self.sock);
+        SHIM_ADDRESSES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|a| a != &self.sock);
+        if keep_tmp() {
+            return;
+        }
+        let left = unmount_under(self.dir.path());
+        if left > 0 {
+            eprintln!(
+                "warning: {left} mounts remain under {}; leaving it in place",
+                self.dir.path().display()
+            );
+            self.dir.disable_cleanup(true);
+        }
+    }
+}
+
+pub(super) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
+    let p = |s: &str| d.join(s).display().to_string();
+    let policy = if opts.isolated { "isolated" } else { "shared" };
+    let v2 = flavor().is_v2();
+    // 2.x's CRI is split into images and runtime plugins.
+    let cri_plugins = if v2 {
+        r#""io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime""#
+    } else {
+        r#""io.containerd.grpc.v1.cri""#
+    };
+    // Sockets: top-level sections up to config version 3; from 4 (2.3+)
+    // the servers are plugins like everything else.
+    let (sock, ttrpc) = (p("containerd.sock"), p("containerd.sock.ttrpc"));
+    let version = flavor().config_version();
+    let (servers, server_plugins) = if version >= 4 {
+        (
+            String::new(),
+            format!(
+                r#"  [plugins."io.containerd.server.v1.grpc"]
+    address = "{sock}"
+  [plugins."io.containerd.server.v1.ttrpc"]
+    address = "{ttrpc}"
+  [plugins."io.containerd.server.v1.debug"]
+    address = ""
+  [plugins."io.containerd.server.v1.metrics"]
+    address = ""
+"#
+            ),
+        )
+    } else {
+        (
+            format!(
+                r#"[grpc]
+  address = "{sock}"
+
+[ttrpc]
+  address = "{ttrpc}"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+"#
+            ),
+            String::new(),
+        )
+    };
+    let mut cfg = format!(
+        r#"version = {version}
+root = "{root}"
+state = "{state}"
+disabled_plugins = [{disabled}]
+
+{servers}
+[plugins]
+{server_plugins}  [plugins."io.containerd.internal.v1.opt"]
+    path = "{opt}"
+  [plugins."io.containerd.metadata.v1.bolt"]
+    content_sharing_policy = "{policy}"
+  # Tests stand in for buildkit with `ctr content ingest`, which (unlike
+  # buildkit) leaves the blob unreferenced until the test labels it or names
+  # an image after it. containerd's defaults collect 100 ms after start and
+  # at once after any deletion (a lease released anywhere), which made that
+  # window a race. GC here runs only when asked for (Images.Delete sync, as
+  # the GC-safety test does).
+  [plugins."io.containerd.gc.v1.scheduler"]
+    startup_delay = "0s"
+    deletion_threshold = 1000000
+    mutation_threshold = 1000000
+"#,
+        root = p("root"),
+        state = p("state"),
+        opt = p("opt"),
+        disabled = if opts.cri { "" } else { cri_plugins },
+    );
+    if !opts.cri {
+        return cfg;
+    }
+    let snap = snapshotter();
+    let runc_root = p("runc");
+    let (cni_bin, cni_conf) = (p("cni/bin"), p("cni/net.d"));
+    if v2 {
+        let certs = d.join("certs.d");
+        if let Some(mirror) = &opts.registry_mirror {
+            // 2.x dropped the `mirrors` table: hosts.toml under config_path.
+            let host_dir = certs.join(mirror);
+            fs::create_dir_all(&host_dir).expect("create certs.d");
+            fs::write(
+                host_dir.join("hosts.toml"),
+                format!(
+                    "server = \"http://{mirror}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+                ),
+            )
+            .expect("write hosts.toml");
+        }
+        cfg.push_str(&format!(
+            r#"  # NRI is on by default in 2.x; its socket would be shared by
+  # every containerd of the test process.
+  [plugins."io.containerd.nri.v1.nri"]
+    socket_path = "{nri}"
+  [plugins."io.containerd.grpc.v1.cri"]
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+  [plugins."io.containerd.cri.v1.images"]
+    snapshotter = "{snap}"
+    [plugins."io.containerd.cri.v1.images".pinned_images]
+      sandbox = "{PAUSE_IMAGE}"
+    [plugins."io.containerd.cri.v1.images".registry]
+      config_path = "{certs}"
+  [plugins."io.containerd.cri.v1.runtime"]
+    disable_apparmor = true
+    restrict_oom_score_adj = true
+    [plugins."io.containerd.cri.v1.runtime".containerd]
+      default_runtime_name = "runc"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+          # runc state in our temp dir instead of /run/containerd/runc
+          Root = "{runc_root}"
+    [plugins."io.containerd.cri.v1.runtime".cni]
+      bin_dirs = ["{cni_bin}"]
+      conf_dir = "{cni_conf}"
+"#,
+            certs = certs.display(),
+            nri = p("nri.sock"),
+        ));
+        return cfg;
+    }
+    cfg.push_str(&format!(
+        r#"  [plugins."io.containerd.grpc.v1.cri"]
+    disable_apparmor = true
+    restrict_oom_score_adj = true
+    sandbox_image = "{PAUSE_IMAGE}"
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      snapshotter = "{snap}"
+      default_runtime_name = "runc"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+          # runc state in our temp dir instead of /run/containerd/runc
+          Root = "{runc_root}"
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "{cni_bin}"
+      conf_dir = "{cni_conf}"
+"#
+    ));
+    if let Some(mirror) = &opts.registry_mirror {
+        cfg.push_str(&format!(
+            r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
+      endpoint = ["http://{mirror}"]
+"#
+        ));
+    }
+    cfg
+}
