@@ -49,11 +49,32 @@ fn missing_labels(
 
 /// CRI poll interval: 1 ms while CRI usually catches up, then backing off
 /// so a slow (or failing) CRI is not hammered until `cri_wait` runs out.
-fn cri_poll_delay(waited: Duration) -> Duration {
-    match waited.as_millis() {
+/// With `waiters` replications polling at once, each polls that much less
+/// often: all together stay near 1000 ImageStatus calls a second. A burst of
+/// 200 Creates polling every millisecond each kept containerd (and with it
+/// CRI's own event handling, which they wait for) busy answering them.
+fn cri_poll_delay(waited: Duration, waiters: usize) -> Duration {
+    let alone = match waited.as_millis() {
         0..=50 => Duration::from_millis(1),
         51..=500 => Duration::from_millis(5),
         _ => Duration::from_millis(25),
+    };
+    alone.max(Duration::from_millis(waiters as u64).min(Duration::from_millis(250)))
+}
+
+/// Counts a replication among those waiting for CRI while it lives.
+struct Waiter<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Waiter<'a> {
+    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Waiter(n)
+    }
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 /// Leases outlive any replication; containerd's GC drops them if we crash.
@@ -183,11 +204,23 @@ impl Drop for Lease {
             let (c, target) = (self.c.clone(), std::mem::take(&mut self.target));
             rt.spawn(async move {
                 if let Err(e) = c.delete_lease(&target, &id).await {
-                    tracing::warn!(lease = %id, target, error = %e, "could not release lease of a cancelled replication; it expires on its own");
+                    tracing::warn!(lease = %id, target, error = %e, "could not release a replication's lease; it expires on its own");
                 }
             });
         }
     }
+}
+
+/// A tree made visible in a target, shared by the replications that need
+/// it at once; dropping the last one releases the lease.
+struct Walked {
+    _lease: Lease,
+    outcome: Outcome,
+    configs: Vec<String>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The replication engine; cheap to share (`Arc`).
@@ -195,6 +228,11 @@ pub struct Replicator {
     c: Containerd,
     s: Settings,
     locks: locks::KeyedLocks,
+    /// One walk per (source, target, tree) at a time, and its result.
+    walk_locks: locks::KeyedLocks,
+    walked: std::sync::Mutex<HashMap<String, std::sync::Weak<Walked>>>,
+    /// Replications waiting for CRI right now (spreads their polls).
+    cri_waiters: std::sync::atomic::AtomicUsize,
     pending: pending::Pending,
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
@@ -239,6 +277,9 @@ impl Replicator {
             c,
             s,
             locks: locks::KeyedLocks::default(),
+            walk_locks: locks::KeyedLocks::default(),
+            walked: Default::default(),
+            cri_waiters: Default::default(),
             pending: pending::Pending::default(),
             nodes: Default::default(),
             cri: OnceCell::new(),
@@ -394,22 +435,24 @@ impl Replicator {
             names.push(parsed.with_digest(&root.digest));
         }
         let started = Instant::now();
-        let lease = Lease::new(&self.c, target);
         // The target's current records are read while the tree is walked:
         // both are reads, and the lock keeps our own writers out.
         let existing =
             futures_util::future::try_join_all(names.iter().map(|n| self.c.get_image(target, n)));
         let (walk, existing) = tokio::join!(
-            self.walk(source, target, &image.name, &root, &lease.id),
+            self.walk_shared(source, target, &image.name, &root),
             existing
         );
-        let ((mut outcome, configs), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
+        let ((tree, shared), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
             Ok(v) => v,
-            Err(e) => {
-                lease.release().await;
-                return Err(err(e));
-            }
+            Err(e) => return Err(err(e)),
         };
+        let mut outcome = match shared {
+            // Another replication of the same tree wrote (and counted) it.
+            true => Outcome::default(),
+            false => tree.outcome.clone(),
+        };
+        let configs = &tree.configs;
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
         // event first; the digest ref and the lease release overlap the wait.
@@ -425,13 +468,7 @@ impl Replicator {
             )
             .await;
         let recorded = started.elapsed();
-        match tag {
-            Ok(w) => outcome.writes += w,
-            Err(e) => {
-                lease.release().await;
-                return Err(err(e));
-            }
-        }
+        outcome.writes += tag.map_err(err)?;
         let confirm = target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0);
         let rest = futures_util::future::join_all(
             names[1..]
@@ -439,17 +476,19 @@ impl Replicator {
                 .zip(existing)
                 .map(|(n, e)| self.put_record(source, target, n, &image, &root, e)),
         );
-        let (rest, _, cri) = tokio::join!(rest, lease.release(), async {
+        let (rest, polls) = tokio::join!(rest, async {
             if confirm {
-                self.wait_cri(target, &target_name, &configs).await
+                self.wait_cri(target, &target_name, configs).await
             } else {
-                Ok(0)
+                0
             }
         });
+        // Every record is written: the tree is referenced, its lease can go
+        // (when the last replication sharing it is done with it).
+        drop(tree);
         for r in rest {
             outcome.writes += r.map_err(err)?;
         }
-        let polls = cri?;
         tracing::debug!(
             image = name,
             target,
@@ -464,6 +503,39 @@ impl Replicator {
             tracing::info!(image = name, source, target, replica = %target_name, writes = outcome.writes, pending = outcome.pending, "replicated");
         }
         Ok(outcome)
+    }
+
+    /// [`Self::walk`] once per tree and target for every replication that
+    /// needs it at the same time (a burst of names for one image): the
+    /// first walks, the others wait for it and share its result. The
+    /// shared [`Walked`] holds the lease, so the tree stays protected until
+    /// the last of them has written its record. `true`: shared.
+    async fn walk_shared(
+        &self,
+        source: &str,
+        target: &str,
+        image: &str,
+        root: &Descriptor,
+    ) -> Result<(Arc<Walked>, bool), ctrd::Error> {
+        let key = format!("{source}\0{target}\0{}", root.digest);
+        let _walking = self.walk_locks.lock(key.clone()).await;
+        if let Some(w) = lock(&self.walked)
+            .get(&key)
+            .and_then(std::sync::Weak::upgrade)
+        {
+            return Ok((w, true));
+        }
+        let lease = Lease::new(&self.c, target);
+        let (outcome, configs) = self.walk(source, target, image, root, &lease.id).await?;
+        let w = Arc::new(Walked {
+            _lease: lease,
+            outcome,
+            configs,
+        });
+        let mut walked = lock(&self.walked);
+        walked.retain(|_, w| w.strong_count() > 0);
+        walked.insert(key, Arc::downgrade(&w));
+        Ok((w, false))
     }
 
     /// Walks the tree from `root`, making every present blob visible in
@@ -757,7 +829,7 @@ impl Replicator {
     /// config is not known yet); returns the number of polls. CRI follows
     /// containerd's events a few ms behind the record, so the first poll is
     /// immediate and the next ones come every millisecond before backing off.
-    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> Result<usize, Error> {
+    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> usize {
         // Cached only once known: a probe that failed (containerd restarting)
         // must not turn confirmation off for the life of the process.
         let has_cri = match self.cri.get_or_try_init(|| self.c.has_cri()).await {
@@ -765,8 +837,9 @@ impl Replicator {
             Err(_) => true,
         };
         if !has_cri || configs.is_empty() {
-            return Ok(0);
+            return 0;
         }
+        let _waiting = Waiter::enter(&self.cri_waiters);
         let started = Instant::now();
         let deadline = started + self.s.cri_wait;
         let mut polls = 0;
@@ -777,20 +850,20 @@ impl Replicator {
                     if let Some(o) = self.observer() {
                         o.cri_confirmed(started.elapsed());
                     }
-                    return Ok(polls);
+                    return polls;
                 }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
             }
             if Instant::now() >= deadline {
-                return Err(Error::CriWait {
-                    name: name.into(),
-                    target: target.into(),
-                    expected: configs.to_vec(),
-                    after: self.s.cri_wait,
-                });
+                // The replica is written: failing the client's write now
+                // would report a change containerd made as not made.
+                tracing::warn!(image = name, target, expected = ?configs, waited = ?self.s.cri_wait,
+                    "the replica is written but CRI ImageStatus did not resolve it in time; kubelet sees it once CRI catches up (is containerd overloaded?)");
+                return polls;
             }
-            tokio::time::sleep(cri_poll_delay(started.elapsed())).await;
+            let waiters = self.cri_waiters.load(std::sync::atomic::Ordering::Relaxed);
+            tokio::time::sleep(cri_poll_delay(started.elapsed(), waiters)).await;
         }
     }
 

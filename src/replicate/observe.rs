@@ -7,7 +7,6 @@
 use std::fmt::Display;
 use std::time::Duration;
 
-
 /// How one replication of one image into one target ended.
 #[derive(Clone, Copy)]
 pub enum Attempt<'a> {
