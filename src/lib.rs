@@ -9,6 +9,7 @@ pub mod config;
 pub mod containerd;
 pub mod import;
 pub mod labels;
+pub mod listener;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
-use imgbridge::proxy::{frames, hpack, splice};
+use imgbridge::proxy::h2::{self as splice, frame as frames, hpack};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
