@@ -149,6 +149,7 @@ pub async fn serve(
                         Err(e) if e.is_hangup() => {
                             tracing::debug!(peer = %peer, error = %e, "connection ended")
                         }
+                        Err(e) if e.is_desync() => tracing::error!(peer = %peer, error = %e, "connection closed: its calls can no longer be told apart, so none may pass unseen; the client was sent GOAWAY and reconnects"),
                         Err(e) => tracing::warn!(peer = %peer, error = %e, "connection closed"),
                         Ok(()) => {}
                     }

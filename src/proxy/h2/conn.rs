@@ -17,7 +17,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use super::frame;
 use super::pump::Pump;
 use super::streams::{error_reply, State};
-use super::{Ctx, Out, Side, SpliceError};
+use super::{Ctx, Out, Side, SpliceError, DESYNC};
 use crate::proxy::sock::Sock;
 
 /// One client connection and its containerd connection.
@@ -37,6 +37,9 @@ pub(super) struct Conn {
     grace: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Set once a drain has answered every call and our side is closed.
     linger: Option<Linger>,
+    /// Why the connection is being closed, once the client has been told
+    /// (see [`Conn::close_loudly`]).
+    closing: Option<SpliceError>,
 }
 
 /// After containerd went away: how long a client that received GOAWAY may
@@ -161,6 +164,7 @@ impl Conn {
             ending: false,
             grace: None,
             linger: None,
+            closing: None,
         })
     }
 
@@ -210,6 +214,21 @@ impl Conn {
         Ok(())
     }
 
+    /// The splice no longer knows which calls the client makes (its HPACK
+    /// mirror diverged): a hooked call must not pass unseen, so nothing more
+    /// goes to containerd, and the client is told with GOAWAY(
+    /// COMPRESSION_ERROR) and a reason, then the connection ends with `e`
+    /// (the client reconnects, with fresh HPACK state).
+    fn close_loudly(&mut self, e: SpliceError) -> Result<(), SpliceError> {
+        let goaway = frame::goaway_saying(self.st.last_stream, frame::COMPRESSION_ERROR, DESYNC);
+        if !self.down.end_with(goaway) {
+            return Err(e); // mid-frame: the client sees the close
+        }
+        self.closing = Some(e);
+        self.grace = Some(Box::pin(tokio::time::sleep(LOST_GRACE)));
+        Ok(())
+    }
+
     /// Ends the open-ended calls in flight ([`super::OPEN_ENDED`]).
     fn end_open_ended(&mut self) -> Result<(), SpliceError> {
         if self.st.lost {
@@ -237,6 +256,16 @@ impl Conn {
             }
         }
         loop {
+            if let Some(e) = self.closing.take() {
+                // Only the GOAWAY (and what was queued before it) is left.
+                let written = self.down.flush_queued(cx, &mut self.client).is_ready();
+                let late = (self.grace.as_mut()).is_some_and(|g| g.as_mut().poll(cx).is_ready());
+                if written || late {
+                    return Poll::Ready(Err(e));
+                }
+                self.closing = Some(e);
+                return Poll::Pending;
+            }
             if self.ending && self.down.block.is_none() {
                 // A reply block that is half read may be the first reply of
                 // a call to end, which decides how it ends: wait for its end.
@@ -281,6 +310,10 @@ impl Conn {
             self.st.ended.clear();
             let (up_done, down_done) = match (up, down) {
                 (Ok(u), Ok(d)) => (u, d),
+                (Err(e), _) | (_, Err(e)) if e.is_desync() => {
+                    self.close_loudly(e)?;
+                    continue;
+                }
                 (Err(e), _) | (_, Err(e)) if e.is_containerd_io() => {
                     self.lose(&e)?;
                     continue;
@@ -329,6 +362,7 @@ mod tests {
     use super::super::frame;
     use super::super::testing::*;
     use super::*;
+    use crate::proxy::observe::CallObserver;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::sync::Notify;
 
@@ -604,5 +638,54 @@ mod tests {
             .expect("splice ends after the last call")
             .unwrap()
             .unwrap();
+    }
+
+    #[derive(Debug, Default)]
+    struct Desyncs(std::sync::atomic::AtomicU64);
+
+    impl CallObserver for Desyncs {
+        fn call_started(&self) {}
+        fn bytes_relayed(&self, _: u64) {}
+        fn call_finished(&self, _: &str, _: Option<i32>) {}
+        fn hpack_desync(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// The client's block refers to a dynamic-table entry the mirror does
+    /// not have, as if the mirror had missed an insertion. A hooked method
+    /// could hide behind it, so nothing of the block reaches containerd:
+    /// the client is sent GOAWAY(COMPRESSION_ERROR) saying why (it
+    /// reconnects), the connection ends, and the desync is counted.
+    #[tokio::test]
+    async fn a_request_block_the_mirror_cannot_decode_closes_the_connection_loudly() {
+        let desyncs = Arc::new(Desyncs::default());
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, task) = start_observed(rules, desyncs.clone());
+        let sent = frame::PREFACE.to_vec();
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        // `:method: POST`, then dynamic index 62, which was never inserted.
+        let hidden = frame(
+            frame::HEADERS,
+            frame::END_HEADERS | frame::END_STREAM,
+            1,
+            &[0x83, 0xbe],
+        );
+        client.write_all(&hidden).await.unwrap();
+
+        let (h, p) = read_frame(&mut client).await;
+        assert_eq!(h.kind, frame::GOAWAY);
+        assert_eq!(&p[4..8], &frame::COMPRESSION_ERROR.to_be_bytes());
+        let debug = String::from_utf8_lossy(&p[8..]);
+        assert!(debug.contains("HPACK"), "{debug}");
+        let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("the connection ends")
+            .unwrap();
+        assert!(matches!(r, Err(SpliceError::HpackDesync(_))), "{r:?}");
+        let mut rest = Vec::new();
+        server.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "containerd got {rest:?}");
+        assert_eq!(desyncs.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

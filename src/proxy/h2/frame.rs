@@ -15,12 +15,15 @@ pub const EMIT_PAYLOAD: usize = 16_384;
 pub const DATA: u8 = 0x0;
 pub const HEADERS: u8 = 0x1;
 pub const RST_STREAM: u8 = 0x3;
+pub const SETTINGS: u8 = 0x4;
 pub const PUSH_PROMISE: u8 = 0x5;
 pub const GOAWAY: u8 = 0x7;
 pub const WINDOW_UPDATE: u8 = 0x8;
 pub const CONTINUATION: u8 = 0x9;
 
 pub const END_STREAM: u8 = 0x1;
+/// On SETTINGS and PING (the same bit as END_STREAM).
+pub const ACK: u8 = 0x1;
 pub const END_HEADERS: u8 = 0x4;
 pub const PADDED: u8 = 0x8;
 pub const PRIORITY: u8 = 0x20;
@@ -28,6 +31,7 @@ pub const PRIORITY: u8 = 0x20;
 pub const NO_ERROR: u32 = 0x0;
 pub const REFUSED_STREAM: u32 = 0x7;
 pub const CANCEL: u32 = 0x8;
+pub const COMPRESSION_ERROR: u32 = 0x9;
 
 /// A parsed 9-byte frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,10 +112,16 @@ pub fn rst_stream(stream: u32, code: u32) -> Bytes {
 }
 
 pub fn goaway(last_stream: u32, code: u32) -> Bytes {
-    let mut out = BytesMut::with_capacity(HEADER_LEN + 8);
-    put_head(&mut out, 8, GOAWAY, 0, 0);
+    goaway_saying(last_stream, code, "")
+}
+
+/// GOAWAY with debug data: a reason the peer's HTTP/2 library logs.
+pub fn goaway_saying(last_stream: u32, code: u32, debug: &str) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN + 8 + debug.len());
+    put_head(&mut out, 8 + debug.len(), GOAWAY, 0, 0);
     out.put_u32(last_stream & 0x7fff_ffff);
     out.put_u32(code);
+    out.put_slice(debug.as_bytes());
     out.freeze()
 }
 

@@ -456,6 +456,7 @@ impl State {
 mod tests {
     //! Frame-level checks with both peers played by hand.
     use super::super::frame;
+    use super::super::frame::Head;
     use super::super::testing::*;
     use std::sync::Arc;
     use tokio::io::AsyncWriteExt;
@@ -538,5 +539,83 @@ mod tests {
             "containerd's status, not the hook's"
         );
         assert_eq!(data, MSG, "containerd's reply message");
+    }
+
+    /// A held reply bigger than the client's stream window: containerd
+    /// sends what the window allows and waits; the client grants more; the
+    /// whole reply reaches the client intact once the hook has run, and no
+    /// more DATA than it granted.
+    #[tokio::test]
+    async fn a_held_reply_bigger_than_the_client_window_arrives_whole_once_it_grants_more() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, _task) = start(rules);
+        const WINDOW: usize = 1000;
+        let initial_window = [&4u16.to_be_bytes()[..], &(WINDOW as u32).to_be_bytes()].concat();
+        let mut sent = frame::PREFACE.to_vec();
+        sent.extend(frame(frame::SETTINGS, 0, 0, &initial_window));
+        sent.extend(request(1, "/t.S/Held"));
+        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+
+        // One reply message of 3000 bytes: field 1, 2997 bytes long.
+        let mut msg = vec![0x0a, 0xb5, 0x17];
+        msg.extend((0..2997u32).map(|i| i as u8));
+        let mut data = vec![0];
+        data.extend((msg.len() as u32).to_be_bytes());
+        data.extend(&msg);
+        assert!(data.len() > WINDOW);
+        // containerd, keeping to the window: headers and the first WINDOW bytes.
+        let mut first = frame(
+            frame::HEADERS,
+            frame::END_HEADERS,
+            1,
+            &block(&[(":status", "200")]),
+        );
+        first.extend(frame(frame::DATA, 0, 1, &data[..WINDOW]));
+        server.write_all(&first).await.unwrap();
+
+        // The client grants the rest; containerd sees the grant and sends it.
+        let rest = (data.len() - WINDOW) as u32;
+        let grant = frame(frame::WINDOW_UPDATE, 0, 1, &rest.to_be_bytes());
+        client.write_all(&grant).await.unwrap();
+        assert_eq!(
+            read_frame(&mut server).await,
+            (Head::parse(&grant), grant[9..].to_vec())
+        );
+        let mut second = frame(frame::DATA, 0, 1, &data[WINDOW..]);
+        let trailers = block(&[("grpc-status", "0")]);
+        second.extend(frame(
+            frame::HEADERS,
+            frame::END_HEADERS | frame::END_STREAM,
+            1,
+            &trailers,
+        ));
+        server.write_all(&second).await.unwrap();
+
+        let mut got = Vec::new();
+        let mut status = None;
+        loop {
+            let (h, p) = read_frame(&mut client).await;
+            assert_eq!(h.stream, 1, "{h:?}");
+            match h.kind {
+                frame::DATA => got.extend(p),
+                frame::HEADERS => {
+                    let f = fields(&p);
+                    if let Some((_, v)) = f.iter().find(|(n, _)| n == "grpc-status") {
+                        status = Some(v.clone());
+                    }
+                }
+                k => panic!("unexpected frame type {k}"),
+            }
+            if h.has(frame::END_STREAM) {
+                break;
+            }
+        }
+        assert_eq!(status.as_deref(), Some("0"));
+        assert!(
+            got.len() <= WINDOW + rest as usize,
+            "more DATA than granted"
+        );
+        assert_eq!(got, data, "the whole reply, intact");
     }
 }

@@ -180,6 +180,12 @@ impl Decoder {
         }
     }
 
+    /// Sets the largest size a table size update may set from now on: the
+    /// SETTINGS_HEADER_TABLE_SIZE the receiver allowed the sender.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// Counts the blocks' table changes: a block that left it unchanged can
     /// be dropped, or delivered late, without the peers' tables diverging.
     pub fn changes(&self) -> u64 {

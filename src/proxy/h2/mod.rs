@@ -35,6 +35,7 @@ pub mod hpack;
 mod conn;
 mod held;
 mod pump;
+mod settings;
 mod streams;
 #[cfg(test)]
 mod testing;
@@ -51,6 +52,26 @@ use super::observe::CallObserver;
 
 /// Largest header block (metadata), as containerd accepts.
 const MAX_BLOCK: usize = 16 << 20;
+
+/// Most CONTINUATION frames one header block may have. Empty ones add no
+/// bytes, so [`MAX_BLOCK`] alone would not bound a flood of them: each
+/// costs the splice a pass, and the block holds the connection open.
+///
+/// The count is the largest block over the smallest frame size every peer
+/// must accept (16,384 bytes): senders fill their header frames, and
+/// grpc-go (containerd, and most clients) splits header blocks at 16 KiB
+/// whatever SETTINGS_MAX_FRAME_SIZE allows, so a count derived from a
+/// larger negotiated frame size would cut off a legitimate large block.
+/// Plus 8 for frames that are not full: an encoder may close a block with
+/// an empty CONTINUATION carrying END_HEADERS after one it filled exactly,
+/// and a few partial frames are no flood. A flood is cut after 1,032
+/// frames (about 9 KiB of frame headers).
+const MAX_CONTINUATIONS: usize = MAX_BLOCK / frame::EMIT_PAYLOAD + 8;
+
+/// What the client is told when the splice can no longer read its header
+/// blocks (GOAWAY debug data, which client libraries log).
+const DESYNC: &str = "imgbridge lost track of this connection's header compression (HPACK) \
+    and cannot tell which calls it carries; reconnect";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {
@@ -87,6 +108,14 @@ pub enum SpliceError {
     Hpack(Side, String),
     #[error("{0} sent a header block over {MAX_BLOCK} bytes")]
     BlockTooLarge(Side),
+    #[error("{0} sent a header block in over {MAX_CONTINUATIONS} CONTINUATION frames")]
+    Continuations(Side),
+    #[error("{0}: {1}")]
+    Settings(Side, String),
+    /// The HPACK mirror of the client's encoder cannot decode a request
+    /// block: which method it calls is unknown, so the connection is closed.
+    #[error("the client's header block does not decode against imgbridge's copy of its HPACK table (the copy diverged, or the block is malformed): {0}")]
+    HpackDesync(String),
     #[error("containerd sent PUSH_PROMISE, which gRPC never uses")]
     Push,
     #[error("reading from {0}: {1}")]
@@ -102,6 +131,11 @@ impl SpliceError {
             self,
             SpliceError::Read(Side::Containerd, _) | SpliceError::Write(Side::Containerd, _)
         )
+    }
+
+    /// The splice lost track of the client's header compression.
+    pub fn is_desync(&self) -> bool {
+        matches!(self, SpliceError::HpackDesync(_))
     }
 
     /// Resets and broken pipes are how peers hang up; everything else is news.

@@ -58,6 +58,8 @@ pub(super) struct Block {
     /// Its frames go out as they came (see [`State::mirror`](super::streams::State::mirror)).
     pub(super) forward: bool,
     pub(super) bytes: Vec<u8>,
+    /// CONTINUATION frames so far (empty ones too).
+    pub(super) continuations: usize,
 }
 
 impl Pump {
@@ -254,6 +256,24 @@ impl Pump {
             }
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Ends this direction with `last` after what is queued, reading
+    /// nothing more. `false` when a frame or header block is half relayed,
+    /// so `last` cannot go out at a frame boundary.
+    pub(super) fn end_with(&mut self, last: Bytes) -> bool {
+        if self.skip > 0 || self.block.is_some() {
+            return false;
+        }
+        self.segs.extend(self.inject.drain(..).map(Seg::Own));
+        self.segs.push_back(Seg::Own(last));
+        self.eof = true;
+        true
+    }
+
+    /// Writes what is queued; ready once it is all written (or failed).
+    pub(super) fn flush_queued(&mut self, cx: &mut Context<'_>, dst: &mut Sock) -> Poll<()> {
+        self.flush(cx, dst).map(|_| ())
     }
 
     /// Reads and drops what `src` sends; ready at its end of stream or error.

@@ -44,10 +44,10 @@ impl Advertised {
         if self.pending.len() >= MAX_UNACKED {
             return Err(SettingsFlood);
         }
+        // The last value for an id is the one that counts (§6.5).
         let table = (payload.chunks_exact(6))
-            .filter(|e| u16::from_be_bytes([e[0], e[1]]) == HEADER_TABLE_SIZE)
-            .map(|e| u32::from_be_bytes([e[2], e[3], e[4], e[5]]))
-            .last();
+            .rfind(|e| u16::from_be_bytes([e[0], e[1]]) == HEADER_TABLE_SIZE)
+            .map(|e| u32::from_be_bytes([e[2], e[3], e[4], e[5]]));
         self.pending.push_back(table);
         Ok(())
     }

@@ -14,14 +14,17 @@ use super::frame::{self, Head, HEADER_LEN};
 use super::held::{Held, Outcome};
 use super::hpack::{self, Decoder};
 use super::pump::{Block, Verdict};
+use super::settings::Advertised;
+use super::MAX_CONTINUATIONS;
 use super::RESTARTING;
 use super::{hpack_error, malformed, open_ended, Ctx, Out, Side, SpliceError, MAX_BLOCK};
 use crate::proxy::grpc;
 use crate::proxy::intercept::CallInfo;
 use crate::proxy::observe::CallGuard;
 
-/// Largest HPACK dynamic table a peer may make us mirror.
-const MAX_TABLE: usize = 1 << 20;
+/// The HPACK table size every decoder starts with (RFC 7541 §4.2), until
+/// SETTINGS allow more.
+const INITIAL_TABLE: usize = 4096;
 
 /// Per-connection call state, shared by both directions.
 pub(super) struct State {
@@ -29,6 +32,10 @@ pub(super) struct State {
     pub(super) calls: HashMap<u32, Call, BuildHasherDefault<StreamIdHasher>>,
     pub(super) client_dec: Decoder,
     pub(super) server_dec: Decoder,
+    /// What the client's SETTINGS allow containerd's encoder, and the
+    /// other way round.
+    pub(super) client_settings: Advertised,
+    pub(super) server_settings: Advertised,
     pub(super) hooks: FuturesUnordered<BoxFuture<'static, Outcome>>,
     pub(super) hooks_added: bool,
     pub(super) last_stream: u32,
@@ -153,8 +160,10 @@ impl State {
         State {
             ctx,
             calls: HashMap::default(),
-            client_dec: Decoder::new(MAX_TABLE),
-            server_dec: Decoder::new(MAX_TABLE),
+            client_dec: Decoder::new(INITIAL_TABLE),
+            server_dec: Decoder::new(INITIAL_TABLE),
+            client_settings: Advertised::default(),
+            server_settings: Advertised::default(),
             hooks: FuturesUnordered::new(),
             hooks_added: false,
             last_stream: 0,
@@ -175,7 +184,11 @@ impl State {
     /// Whether a frame must be in the buffer whole before it is classified.
     pub(super) fn whole(&self, from: Side, head: &Head) -> bool {
         match head.kind {
-            frame::HEADERS | frame::CONTINUATION | frame::RST_STREAM | frame::PUSH_PROMISE => true,
+            frame::HEADERS
+            | frame::CONTINUATION
+            | frame::RST_STREAM
+            | frame::PUSH_PROMISE
+            | frame::SETTINGS => true,
             frame::DATA => self.calls.get(&head.stream).is_some_and(|c| {
                 c.refused
                     || c.held
@@ -264,6 +277,7 @@ impl State {
                         end_stream: head.has(frame::END_STREAM),
                         forward,
                         bytes: payload[r].to_vec(),
+                        continuations: 0,
                     });
                 }
                 Ok(verdict(forward))
@@ -275,6 +289,10 @@ impl State {
                 };
                 if b.bytes.len() + payload.len() > MAX_BLOCK {
                     return Err(SpliceError::BlockTooLarge(from));
+                }
+                b.continuations += 1;
+                if b.continuations > MAX_CONTINUATIONS {
+                    return Err(SpliceError::Continuations(from));
                 }
                 b.bytes.extend_from_slice(payload);
                 let forward = b.forward;
@@ -312,8 +330,31 @@ impl State {
                 Ok(Verdict::Forward)
             }
             frame::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
+            frame::SETTINGS if head.stream == 0 => {
+                self.settings(from, head, payload)?;
+                Ok(Verdict::Forward)
+            }
             _ => Ok(Verdict::Forward),
         }
+    }
+
+    /// SETTINGS from `from` (passed on untouched): the table size the other
+    /// peer's encoder may use follows them once sent, and `from`'s own once
+    /// `from` acknowledges the other's.
+    fn settings(&mut self, from: Side, head: &Head, payload: &[u8]) -> Result<(), SpliceError> {
+        let (own, others) = match from {
+            Side::Client => (&mut self.client_settings, &mut self.server_settings),
+            Side::Containerd => (&mut self.server_settings, &mut self.client_settings),
+        };
+        if head.has(frame::ACK) {
+            others.acked();
+        } else {
+            (own.sent(payload)).map_err(|e| SpliceError::Settings(from, e.to_string()))?;
+        }
+        // Blocks from the client are read with what containerd allowed it.
+        (self.client_dec).set_limit(self.server_settings.table_limit());
+        (self.server_dec).set_limit(self.client_settings.table_limit());
+        Ok(())
     }
 
     /// Records the calls that [`State::request_headers`] let through before
@@ -400,6 +441,16 @@ impl State {
         Ok(())
     }
 
+    /// The client's block does not decode: the mirror of its encoder is
+    /// lost, and with it which method each later call is. Counted, and the
+    /// connection is closed (see [`SpliceError::HpackDesync`]).
+    fn desync(&self, e: hpack::HpackError) -> SpliceError {
+        if let Some(o) = &self.ctx.observer {
+            o.hpack_desync();
+        }
+        SpliceError::HpackDesync(e.to_string())
+    }
+
     fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
         if let Some(c) = self.calls.get_mut(&stream) {
             c.replied = true;
@@ -434,7 +485,7 @@ impl State {
                         }
                         _ => {}
                     })
-                    .map_err(|e| hpack_error(Side::Client, e))?;
+                    .map_err(|e| self.desync(e))?;
                 if let Some(p) = &path {
                     let value = (p.clone(), namespace.clone());
                     self.request_seen
@@ -625,6 +676,7 @@ mod tests {
     //! Frame-level checks with both peers played by hand.
     use super::super::frame;
     use super::super::testing::*;
+    use super::super::MAX_CONTINUATIONS;
     use super::*;
     use std::collections::VecDeque;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -805,5 +857,90 @@ mod tests {
         let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| *s).collect();
         plain.sort();
         assert_eq!(plain, [1, 3, 5]);
+    }
+
+    /// Empty CONTINUATION frames add no bytes to a header block, so only
+    /// counting them bounds one: past the count any sender needs, the
+    /// connection ends instead of waiting for the block's end forever.
+    #[tokio::test]
+    async fn a_continuation_flood_ends_the_connection() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, _server, task) = start(rules);
+        let mut sent = frame::PREFACE.to_vec();
+        let b = block(&[(":method", "POST"), (":path", "/t.S/Plain")]);
+        sent.extend(frame(frame::HEADERS, 0, 1, &b));
+        for _ in 0..=MAX_CONTINUATIONS {
+            sent.extend(frame(frame::CONTINUATION, 0, 1, &[]));
+        }
+        let _ = client.write_all(&sent).await; // the splice may stop reading
+        let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("the flood is cut off")
+            .unwrap();
+        assert!(
+            matches!(r, Err(SpliceError::Continuations(Side::Client))),
+            "{r:?}"
+        );
+    }
+
+    /// A block split into as many frames as the cap allows still passes.
+    #[tokio::test]
+    async fn a_block_in_many_small_frames_passes() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, mut server, _task) = start(rules);
+        let mut sent = frame::PREFACE.to_vec();
+        let b = block(&[(":method", "POST"), (":path", "/t.S/Plain")]);
+        sent.extend(frame(frame::HEADERS, 0, 1, &b));
+        for _ in 1..MAX_CONTINUATIONS {
+            sent.extend(frame(frame::CONTINUATION, 0, 1, &[]));
+        }
+        sent.extend(frame(frame::CONTINUATION, frame::END_HEADERS, 1, &[]));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+    }
+
+    /// A dynamic table size update may go as far as the receiver's
+    /// SETTINGS_HEADER_TABLE_SIZE allows (from the moment it was sent), and
+    /// no further: the protocol's 4096 bytes until the receiver says more.
+    #[test]
+    fn table_size_updates_are_bounded_by_the_receivers_settings() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let mut st = State::new(Arc::new(Ctx {
+            interceptor: Arc::new(rules),
+            observer: None,
+            upstream: "/run/test.sock".into(),
+        }));
+        let (mut up, mut down) = (VecDeque::new(), VecDeque::new());
+        // Size update to 8192 (5-bit prefix: 31, then 8161), `:method:
+        // POST`, `:path: /`.
+        let block = [0x3f, 0xe1, 0x3f, 0x83, 0x84];
+        let out = Out {
+            up: &mut up,
+            down: &mut down,
+        };
+        let r = st.request_headers(1, true, &block, out);
+        assert!(r.is_err(), "over the 4096 containerd allows: {r:?}");
+
+        let mut st = State::new(st.ctx.clone());
+        let settings = frame(frame::SETTINGS, 0, 0, &[0, 1, 0, 0, 0x20, 0]);
+        let head = Head::parse(&settings);
+        for from in [Side::Client, Side::Containerd] {
+            // The client's SETTINGS say nothing about its own blocks.
+            let out = Out {
+                up: &mut up,
+                down: &mut down,
+            };
+            let v = st.frame(from, &head, &settings, &mut None, out).unwrap();
+            assert_eq!(v, Verdict::Forward, "SETTINGS pass untouched");
+        }
+        let out = Out {
+            up: &mut up,
+            down: &mut down,
+        };
+        st.request_headers(1, true, &block, out).unwrap();
+        // containerd's own blocks follow the client's SETTINGS.
+        let reply = [0x3f, 0xe1, 0x3f, 0x88];
+        st.passed_headers(1, false, &reply).unwrap();
+        let r = st.passed_headers(1, false, &[0x3f, 0xe1, 0x7f, 0x88]);
+        assert!(r.is_err(), "over the 8192 the client allows: {r:?}");
     }
 }

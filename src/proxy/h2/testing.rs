@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::frame::{self, Head, HEADER_LEN};
 use super::{hpack, run, Ctx, SpliceError};
 use crate::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
+use crate::proxy::observe::CallObserver;
 
 pub(super) struct Rules {
     fail: bool,
@@ -95,6 +96,22 @@ pub(super) type Task = tokio::task::JoinHandle<Result<(), SpliceError>>;
 
 pub(super) fn start(rules: Rules) -> (UnixStream, UnixStream, Task) {
     start_with(rules, CancellationToken::new())
+}
+
+/// A splice that reports to `observer`.
+pub(super) fn start_observed(
+    rules: Rules,
+    observer: Arc<dyn CallObserver>,
+) -> (UnixStream, UnixStream, Task) {
+    let (client, proxy_down) = UnixStream::pair().unwrap();
+    let (proxy_up, server) = UnixStream::pair().unwrap();
+    let ctx = Arc::new(Ctx {
+        interceptor: Arc::new(rules),
+        observer: Some(observer),
+        upstream: "/run/test.sock".into(),
+    });
+    let task = tokio::spawn(run(proxy_down, proxy_up, ctx, CancellationToken::new()));
+    (client, server, task)
 }
 
 pub(super) fn start_with(rules: Rules, drain: CancellationToken) -> (UnixStream, UnixStream, Task) {
