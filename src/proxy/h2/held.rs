@@ -221,16 +221,15 @@ impl Held {
     /// for the `before` hook; `None` when it cannot be intercepted, and the
     /// parked frames are sent on (into `up`) untouched.
     fn request_complete(&mut self, out: &mut Out<'_>) -> Option<(Box<dyn Hook>, Bytes)> {
-        let CallState::Parking { .. } = self.state else {
-            return None;
+        let placeholder = CallState::Collecting { hook: None };
+        let (hook, parked) = match std::mem::replace(&mut self.state, placeholder) {
+            CallState::Parking { hook, parked } => (hook, parked),
+            other => {
+                self.state = other;
+                return None;
+            }
         };
-        let request = self.request.clone().freeze();
-        let msg = grpc::unary_message(&request);
-        let old = std::mem::replace(&mut self.state, CallState::Collecting { hook: None });
-        let CallState::Parking { hook, parked } = old else {
-            unreachable!("matched above")
-        };
-        match msg {
+        match grpc::unary_message(&self.request.clone().freeze()) {
             Ok(msg) => {
                 self.state = CallState::Before { parked };
                 Some((hook, msg))
@@ -281,14 +280,13 @@ impl Held {
             return Err(true);
         }
         match (rq, grpc::unary_message(&self.reply.data.clone().freeze())) {
-            (Ok(rq), Ok(rs)) => {
-                let CallState::Collecting { hook: Some(hook) } =
-                    std::mem::replace(&mut self.state, CallState::After)
-                else {
-                    unreachable!("matched above")
-                };
-                Ok((hook, rq, rs))
-            }
+            (Ok(rq), Ok(rs)) => match std::mem::replace(&mut self.state, CallState::After) {
+                CallState::Collecting { hook: Some(hook) } => Ok((hook, rq, rs)),
+                other => {
+                    self.state = other;
+                    Err(false)
+                }
+            },
             (rq, rs) => {
                 let e = rq.err().or(rs.err());
                 tracing::warn!(method = %self.method, error = ?e, "call not interceptable; relaying the reply untouched");
