@@ -13,6 +13,7 @@ pub mod config;
 pub mod containerd;
 pub mod import;
 pub mod labels;
+pub mod listener;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use imgbridge::config::Config;
-use imgbridge::proxy::listener::{self, SocketFile, SocketPerms};
+use imgbridge::listener::{self, SocketFile, SocketPerms};
 
 #[derive(Parser)]
 #[command(name = "imgbridge", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IMGBRIDGE_GIT_COMMIT"), ")"), about = "containerd proxy shim: build-namespace images appear in k8s.io before the write returns")]

@@ -1,14 +1,21 @@
 //! The splice's HTTP/2 parsing: any bytes from the client (after the
 //! preface) and from containerd, with every call intercepted, must end in a
 //! clean result or error, never a panic or a hang; and the HPACK decoder
-//! must survive any block.
+//! must survive any block under any table size limit.
+//!
+//! Seeds (`fuzz/seeds/h2_splice`; all but `held_create` written by
+//! `fuzz/gen_h2_seeds.py`): a held Create call; CONTINUATION floods and
+//! blocks split into many frames; table size updates against
+//! SETTINGS_HEADER_TABLE_SIZE before and after ACKs; a held reply larger
+//! than the client's stream window; a request block the HPACK mirror cannot
+//! decode.
 #![no_main]
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
-use imgbridge::proxy::{frames, hpack, splice};
+use imgbridge::proxy::h2::{self as splice, frame as frames, hpack};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -34,6 +41,10 @@ fn rt() -> &'static tokio::runtime::Runtime {
 
 fuzz_target!(|data: &[u8]| {
     let mut d = hpack::Decoder::new(4096);
+    if let [a, b, ..] = data {
+        // As SETTINGS_HEADER_TABLE_SIZE would set it (0 to about 1 MiB).
+        d.set_limit(u16::from_be_bytes([*a, *b]) as usize * 16);
+    }
     let _ = d.decode(data, |_, _| {});
     let _ = d.decode(data, |_, _| {});
 

@@ -24,7 +24,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 
 use super::Ops;
-use crate::proxy::listener::{self, SocketPerms};
+use crate::listener::{self, SocketPerms};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 

@@ -13,6 +13,7 @@
 //! | `proxy_calls_total` | counter | `method`, `grpc_status` | proxy ([`CallObserver`]) |
 //! | `proxy_streams_in_flight` | gauge | | proxy |
 //! | `proxy_relayed_bytes_total` | counter | | proxy (response DATA bytes, containerd → client) |
+//! | `hpack_desync_total` | counter | | proxy (connections closed: a client's headers no longer decoded) |
 //! | `replications_total` | counter | `outcome`, `target` | replicator ([`ReplicationObserver`]) |
 //! | `replication_duration_seconds` | histogram | | replicator |
 //! | `cri_wait_duration_seconds` | histogram | | replicator |
@@ -157,6 +158,7 @@ pub struct Metrics {
     call_series: AtomicUsize,
     in_flight: Gauge,
     relayed_bytes: Counter<u64, AtomicU64>,
+    hpack_desyncs: Counter,
     replications: Family<ReplicationLabels, Counter>,
     replication_seconds: Histogram,
     cri_wait_seconds: Histogram,
@@ -193,6 +195,7 @@ impl Metrics {
             call_series: AtomicUsize::new(0),
             in_flight: Gauge::default(),
             relayed_bytes: Counter::default(),
+            hpack_desyncs: Counter::default(),
             replications: Family::default(),
             replication_seconds: Histogram::new(exponential_buckets(0.001, 2.5, 14)),
             cri_wait_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
@@ -217,6 +220,11 @@ impl Metrics {
             "proxy_calls",
             "gRPC calls relayed, by method and final grpc-status (\"none\": the stream ended without one)",
             m.calls.clone(),
+        );
+        registry.register(
+            "hpack_desync",
+            "Client connections closed because imgbridge could no longer decode their request headers (HPACK state diverged), so could not tell which calls to intercept",
+            m.hpack_desyncs.clone(),
         );
         registry.register(
             "proxy_streams_in_flight",
@@ -500,6 +508,10 @@ impl CallObserver for Metrics {
 
     fn bytes_relayed(&self, n: u64) {
         self.relayed_bytes.inc_by(n);
+    }
+
+    fn hpack_desync(&self) {
+        self.hpack_desyncs.inc();
     }
 
     fn call_finished(&self, method: &str, grpc_status: Option<i32>) {

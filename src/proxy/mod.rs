@@ -5,21 +5,23 @@
 //! (they are unary and small); this module never decides which ones.
 //!
 //! Each client connection gets its own containerd connection, and the two
-//! are spliced frame by frame ([`splice`]). A client that connects while
+//! are spliced frame by frame ([`h2`]). A client that connects while
 //! containerd is down is served by hyper's HTTP/2 server instead, which
 //! answers every call UNAVAILABLE naming the socket; once containerd answers
 //! again, GOAWAY sends the client to a new connection, which is spliced.
 
-pub mod frames;
 pub mod grpc;
-pub mod hpack;
+pub mod h2;
 pub mod intercept;
-pub mod listener;
 pub mod observe;
 pub mod raw;
 pub mod shards;
 mod sock;
-pub mod splice;
+
+/// The socket listener moved to [`crate::listener`] (ops binds with it
+/// too); still named here because `tests/` use this path.
+#[doc(hidden)]
+pub use crate::listener;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -78,7 +80,7 @@ pub enum ProxyError {
 /// (the listener is closed at once) and drains: every client is sent GOAWAY,
 /// open-ended calls (event subscriptions) are ended with UNAVAILABLE right
 /// away, and the other calls in flight, held ones included, may finish for
-/// up to `drain_timeout` (the rule: [`splice::OPEN_ENDED`]).
+/// up to `drain_timeout` (the rule: [`h2::OPEN_ENDED`]).
 pub async fn serve(
     listener: UnixListener,
     config: ProxyConfig,
@@ -95,7 +97,7 @@ pub async fn serve(
         n => n,
     };
     let mut shards = shards::Shards::start(threads).map_err(ProxyError::Threads)?;
-    let splice_ctx = Arc::new(splice::Ctx {
+    let splice_ctx = Arc::new(h2::Ctx {
         interceptor: interceptor.clone(),
         observer: config.observer.clone(),
         upstream: config.upstream.clone(),
@@ -143,10 +145,11 @@ pub async fn serve(
             // containerd answers: splice the two connections frame by frame.
             let error = match UnixStream::connect(&ctx.upstream).await {
                 Ok(up) => {
-                    match splice::run(stream, up, ctx.clone(), drain).await {
+                    match h2::run(stream, up, ctx.clone(), drain).await {
                         Err(e) if e.is_hangup() => {
                             tracing::debug!(peer = %peer, error = %e, "connection ended")
                         }
+                        Err(e) if e.is_desync() => tracing::error!(peer = %peer, error = %e, "connection closed: its calls can no longer be told apart, so none may pass unseen; the client was sent GOAWAY and reconnects"),
                         Err(e) => tracing::warn!(peer = %peer, error = %e, "connection closed"),
                         Ok(()) => {}
                     }
@@ -178,7 +181,7 @@ pub async fn serve(
 async fn unavailable(
     stream: UnixStream,
     builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    ctx: &splice::Ctx,
+    ctx: &h2::Ctx,
     error: &std::io::Error,
     drain: &CancellationToken,
     peer: &str,

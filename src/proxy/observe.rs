@@ -20,6 +20,10 @@ pub trait CallObserver: Send + Sync + std::fmt::Debug + 'static {
     /// sent: bound it before using it as a label); `grpc_status` is `None`
     /// when the stream ended without one (client cancelled, connection lost).
     fn call_finished(&self, method: &str, grpc_status: Option<i32>);
+    /// The splice could no longer decode a client's request headers (its
+    /// HPACK mirror diverged) and closed the connection. Rare: never on the
+    /// hot path.
+    fn hpack_desync(&self) {}
 }
 
 /// One observed call; reports [`CallObserver::call_finished`] when dropped,

@@ -1,4 +1,5 @@
-//! Creating the proxy's Unix sockets safely.
+//! Creating imgbridge's Unix sockets safely: the proxy's socket and the
+//! operations endpoint's (`ops::http`) alike.
 //!
 //! The socket is as powerful as containerd's own, so it is created 0660
 //! root:root unless configured otherwise. A stale socket file is replaced; a

@@ -1,6 +1,8 @@
-//! HPACK header-block decoding (RFC 7541) for the splice: it mirrors each
-//! peer's dynamic table so every block can be read, and hands fields to a
-//! callback as slices, allocating only for the entries a block inserts.
+//! HPACK (RFC 7541) for the splice. Decoding mirrors each peer's dynamic
+//! table so every block can be read, and hands fields to a callback as
+//! slices, allocating only for the entries a block inserts. Encoding
+//! ([`encode_field`]) never touches a dynamic table, so blocks the splice
+//! writes itself can go out in any order.
 //!
 //! Written here rather than taken from a crate because h2 keeps its decoder
 //! private and the published decoders rebuild their Huffman tables on every
@@ -9,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use httlib_huffman::DecoderSpeed;
 
 /// RFC 7541 Appendix A.
@@ -178,6 +180,12 @@ impl Decoder {
         }
     }
 
+    /// Sets the largest size a table size update may set from now on: the
+    /// SETTINGS_HEADER_TABLE_SIZE the receiver allowed the sender.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// Counts the blocks' table changes: a block that left it unchanged can
     /// be dropped, or delivered late, without the peers' tables diverging.
     pub fn changes(&self) -> u64 {
@@ -337,6 +345,41 @@ fn string(
     Ok(Src::Scratch)
 }
 
+/// HPACK integer with an `n`-bit prefix; `first` holds the pattern bits.
+fn put_int(out: &mut BytesMut, first: u8, n: u8, mut v: usize) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.put_u8(first | v as u8);
+        return;
+    }
+    out.put_u8(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.put_u8((v % 128) as u8 | 0x80);
+        v /= 128;
+    }
+    out.put_u8(v as u8);
+}
+
+fn put_str(out: &mut BytesMut, s: &[u8]) {
+    put_int(out, 0, 7, s.len());
+    out.put_slice(s);
+}
+
+/// Appends one header field to a block without using the dynamic table
+/// (RFC 7541 §6.2.2, "literal without indexing"), so blocks can be written
+/// in any order and the peer's decoder state never depends on imgbridge.
+/// `:status: 200`, on every gRPC reply, is the static-table index 8.
+pub fn encode_field(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    if name == b":status" && value == b"200" {
+        out.put_u8(0x88);
+        return;
+    }
+    out.put_u8(0);
+    put_str(out, name);
+    put_str(out, value);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,5 +531,20 @@ mod tests {
             d.decode(&[0x00, 0x84, 0xff, 0xff, 0xff, 0xff, 0x80], |_, _| {}),
             Err(HpackError::Huffman)
         );
+    }
+
+    #[test]
+    fn encoded_fields_decode_and_leave_the_table_empty() {
+        let mut b = BytesMut::new();
+        encode_field(&mut b, b":status", b"200");
+        encode_field(&mut b, b"grpc-message", &[b'x'; 300]);
+        encode_field(&mut b, b"content-type", b"application/grpc");
+        let mut d = loona_hpack::Decoder::new();
+        let got = d.decode(&b).unwrap();
+        assert_eq!(got[0], (b":status".to_vec(), b"200".to_vec()));
+        assert_eq!(got[1].1.len(), 300);
+        assert_eq!(got[2].0, b"content-type");
+        // Nothing was inserted: a block using dynamic index 62 must fail.
+        assert!(d.decode(&[0x80 | 62]).is_err());
     }
 }

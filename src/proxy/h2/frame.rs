@@ -1,6 +1,5 @@
-//! HTTP/2 wire pieces the splice needs (RFC 9113 §4, §6; RFC 7541 §5, §6):
-//! frame headers, the few frames it writes itself, and a header-block
-//! encoder that never touches the peer's dynamic table.
+//! HTTP/2 wire pieces the splice needs (RFC 9113 §4, §6): frame headers,
+//! padding and priority fields, and the few frames it writes itself.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -16,12 +15,15 @@ pub const EMIT_PAYLOAD: usize = 16_384;
 pub const DATA: u8 = 0x0;
 pub const HEADERS: u8 = 0x1;
 pub const RST_STREAM: u8 = 0x3;
+pub const SETTINGS: u8 = 0x4;
 pub const PUSH_PROMISE: u8 = 0x5;
 pub const GOAWAY: u8 = 0x7;
 pub const WINDOW_UPDATE: u8 = 0x8;
 pub const CONTINUATION: u8 = 0x9;
 
 pub const END_STREAM: u8 = 0x1;
+/// On SETTINGS and PING (the same bit as END_STREAM).
+pub const ACK: u8 = 0x1;
 pub const END_HEADERS: u8 = 0x4;
 pub const PADDED: u8 = 0x8;
 pub const PRIORITY: u8 = 0x20;
@@ -29,6 +31,7 @@ pub const PRIORITY: u8 = 0x20;
 pub const NO_ERROR: u32 = 0x0;
 pub const REFUSED_STREAM: u32 = 0x7;
 pub const CANCEL: u32 = 0x8;
+pub const COMPRESSION_ERROR: u32 = 0x9;
 
 /// A parsed 9-byte frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,10 +112,16 @@ pub fn rst_stream(stream: u32, code: u32) -> Bytes {
 }
 
 pub fn goaway(last_stream: u32, code: u32) -> Bytes {
-    let mut out = BytesMut::with_capacity(HEADER_LEN + 8);
-    put_head(&mut out, 8, GOAWAY, 0, 0);
+    goaway_saying(last_stream, code, "")
+}
+
+/// GOAWAY with debug data: a reason the peer's HTTP/2 library logs.
+pub fn goaway_saying(last_stream: u32, code: u32, debug: &str) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN + 8 + debug.len());
+    put_head(&mut out, 8 + debug.len(), GOAWAY, 0, 0);
     out.put_u32(last_stream & 0x7fff_ffff);
     out.put_u32(code);
+    out.put_slice(debug.as_bytes());
     out.freeze()
 }
 
@@ -176,62 +185,12 @@ pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
     chunked(out, stream, payload, [DATA, DATA], 0, last);
 }
 
-/// HPACK integer with an `n`-bit prefix; `first` holds the pattern bits.
-fn put_int(out: &mut BytesMut, first: u8, n: u8, mut v: usize) {
-    let max = (1usize << n) - 1;
-    if v < max {
-        out.put_u8(first | v as u8);
-        return;
-    }
-    out.put_u8(first | max as u8);
-    v -= max;
-    while v >= 128 {
-        out.put_u8((v % 128) as u8 | 0x80);
-        v /= 128;
-    }
-    out.put_u8(v as u8);
-}
-
-fn put_str(out: &mut BytesMut, s: &[u8]) {
-    put_int(out, 0, 7, s.len());
-    out.put_slice(s);
-}
-
-/// Appends one header field to a block without using the dynamic table
-/// (RFC 7541 §6.2.2, "literal without indexing"), so blocks can be written
-/// in any order and the peer's decoder state never depends on imgbridge.
-/// `:status: 200`, on every gRPC reply, is the static-table index 8.
-pub fn encode_field(out: &mut BytesMut, name: &[u8], value: &[u8]) {
-    if name == b":status" && value == b"200" {
-        out.put_u8(0x88);
-        return;
-    }
-    out.put_u8(0);
-    put_str(out, name);
-    put_str(out, value);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn decode(block: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
         loona_hpack::Decoder::new().decode(block).unwrap()
-    }
-
-    #[test]
-    fn encoded_fields_decode_and_leave_the_table_empty() {
-        let mut b = BytesMut::new();
-        encode_field(&mut b, b":status", b"200");
-        encode_field(&mut b, b"grpc-message", &[b'x'; 300]);
-        encode_field(&mut b, b"content-type", b"application/grpc");
-        let mut d = loona_hpack::Decoder::new();
-        let got = d.decode(&b).unwrap();
-        assert_eq!(got[0], (b":status".to_vec(), b"200".to_vec()));
-        assert_eq!(got[1].1.len(), 300);
-        assert_eq!(got[2].0, b"content-type");
-        // Nothing was inserted: a block using dynamic index 62 must fail.
-        assert!(d.decode(&[0x80 | 62]).is_err());
     }
 
     #[test]
@@ -254,7 +213,9 @@ mod tests {
     #[test]
     fn header_frames_patch_small_blocks_and_split_large_ones() {
         let mut small = BytesMut::new();
-        header_frames(5, true, &mut small, |b| encode_field(b, b":status", b"200"));
+        header_frames(5, true, &mut small, |b| {
+            super::super::hpack::encode_field(b, b":status", b"200")
+        });
         assert_eq!(
             Head::parse(&small),
             Head {
@@ -267,10 +228,12 @@ mod tests {
         assert_eq!(&small[9..], &[0x88]);
         let value = vec![b'v'; EMIT_PAYLOAD];
         let mut large = BytesMut::from(&b"prefix"[..]);
-        header_frames(7, false, &mut large, |b| encode_field(b, b"x", &value));
+        header_frames(7, false, &mut large, |b| {
+            super::super::hpack::encode_field(b, b"x", &value)
+        });
         let mut direct = BytesMut::from(&b"prefix"[..]);
         let mut block = BytesMut::new();
-        encode_field(&mut block, b"x", &value);
+        super::super::hpack::encode_field(&mut block, b"x", &value);
         headers(7, &block, false, &mut direct);
         assert_eq!(large, direct);
     }
