@@ -103,6 +103,8 @@ pub(super) enum Outcome {
         stream: u32,
         result: Result<(), tonic::Status>,
     },
+    /// A watched call's future ended: what its hold kept goes on.
+    Watch { stream: u32 },
 }
 
 impl Held {
@@ -446,6 +448,7 @@ impl State {
                 Ok(()) => self.release(stream, out, true),
                 Err(status) => self.fail(stream, status, out),
             },
+            Outcome::Watch { stream } => self.watch_release(stream, out),
         }
     }
 }

@@ -39,6 +39,7 @@ mod settings;
 mod streams;
 #[cfg(test)]
 mod testing;
+mod watched;
 
 use std::fmt;
 use std::io;

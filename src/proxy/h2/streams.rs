@@ -15,6 +15,7 @@ use super::held::{Held, Outcome};
 use super::hpack::{self, Decoder};
 use super::pump::{Block, Verdict};
 use super::settings::Advertised;
+use super::watched::{Step, Watched};
 use super::MAX_CONTINUATIONS;
 use super::RESTARTING;
 use super::{hpack_error, malformed, open_ended, Ctx, Out, Side, SpliceError, MAX_BLOCK};
@@ -130,6 +131,8 @@ pub(super) struct Call {
     pub(super) open_ended: bool,
     /// A reply header block went to the client.
     pub(super) replied: bool,
+    /// A streaming call the policy watches (never held as a whole).
+    pub(super) watch: Option<Box<Watched>>,
 }
 
 /// Room for the re-encoded header frames of many replies: the space is
@@ -191,6 +194,7 @@ impl State {
             | frame::SETTINGS => true,
             frame::DATA => self.calls.get(&head.stream).is_some_and(|c| {
                 c.refused
+                    || c.watch.is_some()
                     || c.held
                         .as_ref()
                         .is_some_and(|h| from == Side::Containerd || !h.request_done())
@@ -239,7 +243,10 @@ impl State {
     }
 
     pub(super) fn awaiting_hooks(&self) -> bool {
-        (self.calls.values()).any(|c| c.held.as_ref().is_some_and(|h| h.reply_done()))
+        (self.calls.values()).any(|c| {
+            c.held.as_ref().is_some_and(|h| h.reply_done())
+                || c.watch.as_ref().is_some_and(|w| w.waiting())
+        })
     }
 
     /// A whole frame that is not plain DATA. `out` takes frames to write
@@ -314,6 +321,13 @@ impl State {
                     self.calls.remove(&head.stream);
                     return Ok(Verdict::Swallow);
                 }
+                if from == Side::Containerd {
+                    let w = call.and_then(|c| c.watch.as_mut());
+                    if let Some(Step::Kept) = w.map(|w| w.reply_reset(frame)) {
+                        return Ok(Verdict::Swallow);
+                    }
+                }
+                let call = self.calls.get_mut(&head.stream);
                 if let Some(held) = call.and_then(|c| c.held.as_mut()) {
                     if from == Side::Containerd && held.reply_done() {
                         // grpc-go resets (NO_ERROR) a stream it has answered
@@ -325,6 +339,8 @@ impl State {
                 if let Some(call) = self.calls.remove(&head.stream) {
                     if let Some(held) = call.held {
                         held.credit_back(out);
+                    } else if let Some(w) = call.watch {
+                        out.up.extend(frame::window_update(0, w.kept_credit()));
                     }
                 }
                 Ok(Verdict::Forward)
@@ -377,13 +393,16 @@ impl State {
             refused: false,
             open_ended,
             replied: false,
+            watch: None,
         };
         self.calls.insert(stream, call);
     }
 
     /// Whether containerd's block for `stream` goes out as it came.
     pub(super) fn passes(&self, stream: u32) -> bool {
-        self.mirror && !(self.calls.get(&stream)).is_some_and(|c| c.refused || c.held.is_some())
+        self.mirror
+            && !(self.calls.get(&stream))
+                .is_some_and(|c| c.refused || c.held.is_some() || c.watch.is_some())
     }
 
     /// After a containerd block that did not go out as it came: if it changed
@@ -451,7 +470,7 @@ impl State {
         SpliceError::HpackDesync(e.to_string())
     }
 
-    fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
+    pub(super) fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
         if let Some(c) = self.calls.get_mut(&stream) {
             c.replied = true;
             if let Some(g) = c.guard.as_mut() {
@@ -523,6 +542,7 @@ impl State {
                 refused: true,
                 open_ended: false,
                 replied: false,
+                watch: None,
             };
             self.calls.insert(stream, call);
             return Ok(());
@@ -532,6 +552,13 @@ impl State {
             namespace,
         };
         let Some(hook) = self.ctx.interceptor.select(&info) else {
+            if let Some(watch) = self.ctx.interceptor.watch(&info) {
+                self.open(stream, info.method, None);
+                if let Some(c) = self.calls.get_mut(&stream) {
+                    c.watch = Some(Box::new(Watched::new(watch)));
+                }
+                return Ok(());
+            }
             // Its frames pass as they are; the rest can wait for the write.
             self.opening.push((stream, info.method));
             return Ok(());
@@ -563,6 +590,33 @@ impl State {
             self.kept_back(changes);
             if end_stream {
                 self.try_finish(stream, out);
+            }
+            return Ok(());
+        }
+        if (self.calls.get(&stream)).is_some_and(|c| c.watch.is_some()) {
+            let mut fields = Vec::new();
+            (self.server_dec)
+                .decode(block, |n, v| {
+                    fields.push((Bytes::copy_from_slice(n), Bytes::copy_from_slice(v)))
+                })
+                .map_err(|e| hpack_error(Side::Containerd, e))?;
+            self.kept_back(changes);
+            let w = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut());
+            let step = w.map_or(Step::Pass, |w| w.reply_block(&fields, end_stream));
+            if let Step::Pass = step {
+                let status = (fields.iter())
+                    .find(|(n, _)| &n[..] == b"grpc-status")
+                    .and_then(|(_, v)| grpc::parse_status(v));
+                let mut frames = BytesMut::new();
+                frame::header_frames(stream, end_stream, &mut frames, |b| {
+                    for (n, v) in &fields {
+                        hpack::encode_field(b, n, v);
+                    }
+                });
+                out.down.push_back(frames.freeze());
+                self.record_status(stream, end_stream, status);
+            } else {
+                self.watch_step(stream, step, out);
             }
             return Ok(());
         }
@@ -605,6 +659,25 @@ impl State {
             let credit = frame::window_update(0, head.len as u64);
             out.to(from).extend(credit);
             return Ok(Verdict::Swallow);
+        }
+        if let Some(w) = call.watch.as_mut() {
+            let payload = &frame[HEADER_LEN..];
+            let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
+            let content = &payload[r];
+            if from == Side::Client {
+                w.request_data(content);
+                return Ok(Verdict::Forward);
+            }
+            return Ok(match w.reply_data(head, frame, content) {
+                Step::Pass => {
+                    self.relayed(head);
+                    Verdict::Forward
+                }
+                step => {
+                    self.watch_step(head.stream, step, out);
+                    Verdict::Swallow
+                }
+            });
         }
         let Some(held) = call.held.as_mut() else {
             return Ok(Verdict::Forward);
