@@ -21,6 +21,7 @@
 #
 # Needs only Debian's containerd and cargo. Environment:
 #   BENCH_SIZE_MB=1024 BENCH_CALLS=5000 BENCH_WARMUP=200 BENCH_BLOCK=20 BENCH_ROUNDS=3
+#   BENCH_NS=bench (buildkit: writes in a source namespace, watched)
 #   BENCH_READERS=8 BENCH_NO_BUILD=1 (skip cargo build) BENCH_KEEP=1 (keep temp dir)
 #   BENCH_DIR=<dir for containerd's root and the sockets>: by default /dev/shm
 #       when it has room for four times BENCH_SIZE_MB, else /tmp. On disk, the
@@ -40,7 +41,9 @@ BLOCK=${BENCH_BLOCK:-20}
 ROUNDS=${BENCH_ROUNDS:-3}
 READERS=${BENCH_READERS:-8}
 CONTAINERD=${CONTAINERD:-containerd}
-NS=bench
+# BENCH_NS=buildkit measures writes in a source namespace, where imgbridge
+# watches each Content.Write for COMMITs that replicas wait for.
+NS=${BENCH_NS:-bench}
 
 cd "$(dirname "$0")/.."
 if [[ -z ${BENCH_NO_BUILD:-} ]]; then

@@ -154,20 +154,23 @@ fn from_registry_base_with_run_runs_at_once() {
 }
 
 /// `FROM` with only a `LABEL`: buildkit names the image before it fetches
-/// the base layers it never needed (lazy), yet the pod runs at once.
+/// the base layers it never needed (lazy), yet the pod runs at once. 20
+/// builds, each from a base of its own, so each has lazy layers to fetch.
 #[test]
-fn label_only_lazy_base_runs_at_once() {
+fn label_only_lazy_base_20_builds_each_runs_at_once() {
     let Some(s) = Setup::start() else { return };
-    let (base, hello) = s.base("bk-base-lazy:1");
-    let name = "docker.io/library/bk-lazy:1";
-    s.build(
-        name,
-        &format!("FROM {base}\nLABEL built=by-test\n"),
-        &[],
-        &[],
-    );
-    s.cri
-        .run_pod(name, &["/bin/busybox", "echo", &hello], &hello);
+    for n in 0..20 {
+        let (base, hello) = s.base(&format!("bk-base-lazy-{n}:1"));
+        let name = format!("docker.io/library/bk-lazy:{n}");
+        s.build(
+            &name,
+            &format!("FROM {base}\nLABEL built=by-test round={n}\n"),
+            &[],
+            &[],
+        );
+        s.cri
+            .run_pod(&name, &["/bin/busybox", "echo", &hello], &hello);
+    }
 }
 
 #[test]
@@ -201,31 +204,54 @@ fn provenance_attestation_index_runs_at_once() {
         .run_pod(name, &["/bin/busybox", "echo", "attest-ok"], "attest-ok");
 }
 
-/// Built once with a cache export, buildkit's state wiped, built again from
-/// the imported cache: the second image is in k8s.io at once too.
+/// The CI pattern: a build exports only its cache; a buildkitd with its own
+/// empty state builds from that cache, so the layer the cache holds is
+/// written (lazily, after the image is named) by the export. 20 rounds,
+/// each with a layer of its own; the pod runs at once every time.
 #[test]
-fn import_cache_after_wiping_buildkit_runs_at_once() {
-    let Some(mut s) = Setup::start() else { return };
+fn import_cache_from_another_buildkitd_20_builds_each_runs_at_once() {
+    let Some(s) = Setup::start() else { return };
     let (base, _) = s.base("bk-base-cache:1");
-    let cache = s.dir.path().join("cache");
-    let dockerfile =
-        format!("FROM {base}\nRUN [\"/bin/busybox\", \"sh\", \"-c\", \"echo cached > /cached\"]\n");
-    let export = format!("type=local,dest={}", cache.display());
-    s.build(
-        "docker.io/library/bk-cache:1",
-        &dockerfile,
-        &[],
-        &["--export-cache", &export],
-    );
-    // A new buildkitd with an empty root: nothing but the cache is left.
-    let root = s.bk.dir().to_path_buf();
-    s.bk = Buildkitd::start(s.p.socket(), "buildkit", Some(&s.reg.addr())).unwrap();
-    assert_ne!(root, s.bk.dir());
-    let import = format!("type=local,src={}", cache.display());
-    let name = "docker.io/library/bk-cache:2";
-    s.build(name, &dockerfile, &[], &["--import-cache", &import]);
-    s.cri
-        .run_pod(name, &["/bin/busybox", "cat", "/cached"], "cached");
+    let fresh = Buildkitd::start(s.p.socket(), "buildkit", Some(&s.reg.addr())).unwrap();
+    assert_ne!(s.bk.dir(), fresh.dir());
+    for n in 0..20 {
+        let cache = s.dir.path().join(format!("cache-{n}"));
+        let dockerfile = format!(
+            "FROM {base}\nRUN [\"/bin/busybox\", \"sh\", \"-c\", \"echo cached-{n} > /cached\"]\n"
+        );
+        let export = format!("type=local,dest={}", cache.display());
+        // No --output: only the cache leaves this build.
+        let ctx = tempdir("bk-cache-ctx-");
+        std::fs::write(ctx.path().join("Dockerfile"), &dockerfile).unwrap();
+        let c = ctx.path().display().to_string();
+        let out = s.bk.buildctl([
+            "build",
+            "--frontend",
+            "dockerfile.v0",
+            "--local",
+            &format!("context={c}"),
+            "--local",
+            &format!("dockerfile={c}"),
+            "--export-cache",
+            &export,
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        let import = format!("type=local,src={}", cache.display());
+        let name = format!("docker.io/library/bk-cache:{n}");
+        let meta = s.dir.path().join(unique_name("meta"));
+        let meta_arg = format!("--metadata-file={}", meta.display());
+        fresh.build(
+            &dockerfile,
+            &[],
+            &format!("type=image,name={name}"),
+            &[&meta_arg, "--import-cache", &import],
+        );
+        let config = config_digest(&meta, s.c.socket());
+        assert_eq!(s.cri.image_id(&name).as_deref(), Some(config.as_str()));
+        let want = format!("cached-{n}");
+        s.cri
+            .run_pod(&name, &["/bin/busybox", "cat", "/cached"], &want);
+    }
 }
 
 /// Two builds to one tag at once: when both have returned, CRI resolves the
