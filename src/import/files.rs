@@ -10,7 +10,10 @@ use tokio_util::sync::CancellationToken;
 use super::archive::{Limits, ReadOptions};
 use super::pull::{self, PullEvent};
 use super::state::{FileKind, FileState, Stamp};
-use super::{pin, write, Count, Importer, ListTask, Pending, RETRY_BASE, RETRY_MAX};
+use super::{esc, open, pin, write, Count, Importer, ListTask, Pending, RETRY_BASE, RETRY_MAX};
+
+/// Invalid or refused lines of one list logged one by one; the rest are counted.
+const MAX_LOGGED: usize = 10;
 
 impl Importer {
     pub(super) async fn import_archive(&mut self, path: PathBuf, stamp: Stamp, p: Pending) {
@@ -27,7 +30,7 @@ impl Importer {
                     && prev.sha256.is_some()
                     && self.same_bytes(&path, prev).await
                 {
-                    tracing::info!(file = %path.display(), "touched but unchanged; not importing again");
+                    tracing::info!(file = %esc(path.display()), "touched but unchanged; not importing again");
                     if let Some(f) = self.state.files.get_mut(&path) {
                         f.mtime_ns = stamp.mtime_ns;
                     }
@@ -46,17 +49,17 @@ impl Importer {
             },
             hash_input: true,
         };
-        tracing::info!(file = %path.display(), size_mib = stamp.size >> 20, namespace = %ns, "importing");
+        tracing::info!(file = %esc(path.display()), size_mib = stamp.size >> 20, namespace = %ns, "importing");
         let started = Instant::now();
         let res = write::import_archive(&self.c, &ns, &path, opts, source).await;
         let secs = format!("{:.1}", started.elapsed().as_secs_f64());
         match res {
             Ok(o) => {
                 for w in &o.warnings {
-                    tracing::warn!(file = %path.display(), "{w}");
+                    tracing::warn!(file = %esc(path.display()), warning = %esc(w), "archive warning");
                 }
                 for f in &o.failures {
-                    tracing::error!(file = %path.display(), "{f}");
+                    tracing::error!(file = %esc(path.display()), error = %esc(f), "image not imported");
                 }
                 self.count(Count::Images, o.images.len() as u64);
                 self.count(Count::Pinned, o.pinned);
@@ -73,7 +76,7 @@ impl Importer {
                 self.count(Count::Imported, 1);
                 let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
                 tracing::info!(
-                    file = %path.display(),
+                    file = %esc(path.display()),
                     size_mib = stamp.size >> 20,
                     images = ?images.keys().collect::<Vec<_>>(),
                     failures = o.failures.len(),
@@ -105,11 +108,14 @@ impl Importer {
                     self.pend(root, path, None, false, debounce);
                 }
             }
+            Err(super::ImportError::Io { source, .. }) if open::is_not_regular(&source) => {
+                self.refuse(&path, stamp, &source);
+            }
             Err(e) if e.is_transient() => {
                 let delay = RETRY_BASE
                     .saturating_mul(1 << p.attempt.min(6))
                     .min(RETRY_MAX);
-                tracing::warn!(file = %path.display(), error = %e, retry_in = ?delay, "import failed; will retry");
+                tracing::warn!(file = %esc(path.display()), error = %esc(&e), retry_in = ?delay, "import failed; will retry");
                 self.count(Count::Failed, 1);
                 self.file_failed(&path, "", &format_args!("{e} (retrying in {delay:?})"));
                 self.pending.insert(
@@ -123,7 +129,7 @@ impl Importer {
                 );
             }
             Err(e) => {
-                tracing::error!(file = %path.display(), error = %e, secs, "import failed; the file is skipped until it changes");
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), secs, "import failed; the file is skipped until it changes");
                 self.count(Count::Failed, 1);
                 self.file_failed(&path, "", &e);
                 // Images an earlier version provided stay pinned until the
@@ -144,11 +150,12 @@ impl Importer {
     /// Whether the file still has the bytes recorded (a `touch` is no change).
     pub(super) async fn same_bytes(&self, path: &Path, prev: &FileState) -> bool {
         let p = path.to_path_buf();
+        let size = prev.size;
         let digest = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
             use sha2::Digest as _;
             let mut h = sha2::Sha256::new();
-            let mut f = std::fs::File::open(&p)?;
-            std::io::copy(&mut f, &mut h)?;
+            let f = open::open_regular(&p)?;
+            std::io::copy(&mut std::io::Read::take(f, size + 1), &mut h)?;
             Ok(format!("sha256:{}", hex::encode(h.finalize())))
         })
         .await;
@@ -159,7 +166,7 @@ impl Importer {
         let root = p.root;
         let ns = self.dir(root).namespace.clone();
         if ns != pull::CRI_NAMESPACE && self.warned_list_ns.insert(root) {
-            tracing::warn!(dir = %self.dir(root).path.display(), namespace = %ns, "pull lists are pulled through CRI, which always uses k8s.io");
+            tracing::warn!(dir = %esc(self.dir(root).path.display()), namespace = %ns, "pull lists are pulled through CRI, which always uses k8s.io");
         }
         let prev = self.state.files.get(&path).cloned();
         if !p.force && prev.as_ref().is_some_and(|f| f.stamp() == stamp) {
@@ -167,27 +174,76 @@ impl Importer {
             return;
         }
         let hash = pin::path_hash(&path);
-        let list = match pull::read(&path) {
-            Ok(l) => l,
+        // Reading and parsing are proportional to the file: off the async
+        // runtime, so the proxy never waits for them.
+        let started = Instant::now();
+        let p2 = path.clone();
+        let list = match tokio::task::spawn_blocking(move || pull::read(&p2)).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) if open::is_not_regular(&e) => {
+                self.refuse(&path, stamp, &e);
+                return;
+            }
+            Ok(Err(e)) => {
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), "cannot read pull list");
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &e);
+                return;
+            }
             Err(e) => {
-                tracing::error!(file = %path.display(), error = %e, "cannot read pull list");
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), "pull list parser failed");
                 self.count(Count::Failed, 1);
                 self.file_failed(&path, "", &e);
                 return;
             }
         };
-        for (line, text, e) in &list.invalid {
-            tracing::warn!(file = %path.display(), line, entry = %text, "invalid reference in pull list: {e}");
+        tracing::info!(
+            file = %esc(path.display()),
+            references = list.refs.len(),
+            invalid = list.invalid.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "pull list parsed"
+        );
+        // Lines are named by number and reason, never quoted: a list may be
+        // a symlink to any file. A few are logged, then a count.
+        for (line, _, e) in list.invalid.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), line, reason = pull::invalid_reason(e), "invalid reference in pull list; not pulled");
+        }
+        if list.invalid.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = list.invalid.len() - MAX_LOGGED, "more invalid references in pull list");
         }
         self.count(Count::Failed, list.invalid.len() as u64);
-        match list.invalid.first() {
-            Some((line, text, e)) => self.file_failed(
+        let policy = pull::HostPolicy {
+            allow: self.cfg.pull_hosts_allow.clone(),
+            deny: self.cfg.pull_hosts_deny.clone(),
+        };
+        let mut list = list;
+        let mut refused = Vec::new();
+        list.refs.retain(|r| match policy.check(r) {
+            Ok(()) => true,
+            Err(why) => {
+                refused.push((r.clone(), why));
+                false
+            }
+        });
+        for (r, why) in refused.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), image = %esc(r), reason = %esc(why), "pull refused");
+        }
+        if refused.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = refused.len() - MAX_LOGGED, "more pulls refused");
+        }
+        self.count(Count::Failed, refused.len() as u64);
+        match (list.invalid.first(), refused.first()) {
+            (Some((line, _, e)), _) => self.file_failed(
                 &path,
                 &format!("line {line}"),
-                &format_args!("invalid reference {text:?}: {e}"),
+                &format_args!("invalid reference: {}", pull::invalid_reason(e)),
             ),
+            (None, Some((r, why))) => {
+                self.file_failed(&path, r, &format_args!("pull refused: {why}"))
+            }
             // A new version of the list: its pulls start over.
-            None => self.file_ok(&path, ""),
+            (None, None) => self.file_ok(&path, ""),
         }
         let wanted: HashSet<&String> = list.refs.iter().collect();
         let mut images = prev.as_ref().map(|f| f.images.clone()).unwrap_or_default();
@@ -199,13 +255,18 @@ impl Importer {
                 .cloned()
                 .collect();
             if !gone.is_empty() {
-                tracing::info!(file = %path.display(), images = ?gone, "left the pull list");
+                tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", gone)), "left the pull list");
             }
             self.unpin_names(&path, prev, &gone).await;
             images.retain(|n, _| wanted.contains(n));
         }
-        let error =
-            (!list.invalid.is_empty()).then(|| format!("{} invalid lines", list.invalid.len()));
+        let error = (!list.invalid.is_empty() || !refused.is_empty()).then(|| {
+            format!(
+                "{} invalid lines, {} references refused",
+                list.invalid.len(),
+                refused.len()
+            )
+        });
         self.record(
             path.clone(),
             FileState {
@@ -217,7 +278,7 @@ impl Importer {
         if let Some(t) = self.lists.remove(&path) {
             t.cancel.cancel();
         }
-        tracing::info!(file = %path.display(), references = list.refs.len(), "processing pull list");
+        tracing::info!(file = %esc(path.display()), references = list.refs.len(), "processing pull list");
         if list.refs.is_empty() {
             return;
         }
@@ -235,6 +296,7 @@ impl Importer {
             path,
             self.generation,
             list.refs,
+            self.cfg.pull_attempts,
             self.pull_tx.clone(),
             cancel,
         ));
@@ -261,14 +323,14 @@ impl Importer {
                             target = img.target.map(|t| t.digest).unwrap_or(target);
                         }
                         Ok(None) => {
-                            tracing::warn!(file = %path.display(), image = %reference, "CRI resolves the image but no record has that name; not pinned")
+                            tracing::warn!(file = %esc(path.display()), image = %esc(&reference), "CRI resolves the image but no record has that name; not pinned")
                         }
                         Err(e) => {
-                            tracing::warn!(file = %path.display(), image = %reference, error = %e, "pinning failed")
+                            tracing::warn!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&e), "pinning failed")
                         }
                     }
                 }
-                tracing::info!(file = %path.display(), image = %reference, how = ?got, "pull list image ready");
+                tracing::info!(file = %esc(path.display()), image = %esc(&reference), how = ?got, "pull list image ready");
                 self.count(Count::Pulled, 1);
                 self.file_ok(&path, &reference);
                 if let Some(f) = self.state.files.get_mut(&path) {
@@ -282,15 +344,29 @@ impl Importer {
                 reference,
                 error,
                 retry_in,
+                attempts,
             } => {
                 if self.lists.get(&path).map(|t| t.generation) != Some(generation) {
                     return;
                 }
                 // Reported before it is counted: whoever sees the count
                 // sees the error.
-                self.file_failed(&path, &reference, &error);
-                self.count(Count::PullFailed, 1);
-                tracing::warn!(file = %path.display(), image = %reference, error = %error, retry_in = ?retry_in, "pull failed; will retry");
+                match retry_in {
+                    Some(d) => {
+                        self.file_failed(
+                            &path,
+                            &reference,
+                            &format_args!("{error} (attempt {attempts}; retrying in {d:?})"),
+                        );
+                        self.count(Count::PullFailed, 1);
+                        tracing::warn!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&error), attempts, retry_in = ?d, "pull failed; will retry");
+                    }
+                    None => {
+                        self.file_failed(&path, &reference, &format_args!("{error} (gave up after {attempts} attempts; retried when the list changes)"));
+                        self.count(Count::PullFailed, 1);
+                        tracing::error!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&error), attempts, "pull failed; gave up until the list changes");
+                    }
+                }
             }
         }
     }
@@ -325,7 +401,7 @@ impl Importer {
                 );
                 continue;
             }
-            tracing::info!(file = %k.display(), "source removed");
+            tracing::info!(file = %esc(k.display()), "source removed");
             self.file_ok(&k, "");
         }
     }
@@ -345,10 +421,10 @@ impl Importer {
                 Ok(pin::Unpinned::Untouched) => {}
                 Ok(how) => {
                     self.count(Count::Unpinned, 1);
-                    tracing::info!(file = %path.display(), image = %name, result = ?how, "unpinned");
+                    tracing::info!(file = %esc(path.display()), image = %esc(name), result = ?how, "unpinned");
                 }
                 Err(e) => {
-                    tracing::warn!(file = %path.display(), image = %name, error = %e, "unpinning failed");
+                    tracing::warn!(file = %esc(path.display()), image = %esc(name), error = %esc(&e), "unpinning failed");
                     ok = false;
                 }
             }

@@ -13,6 +13,7 @@
 
 pub mod archive;
 mod files;
+pub mod open;
 pub mod pin;
 pub mod pull;
 mod schedule;
@@ -49,7 +50,7 @@ pub enum ImportError {
     Archive(#[from] ArchiveError),
     #[error(transparent)]
     Containerd(#[from] crate::containerd::Error),
-    #[error("reading {path}: {source}")]
+    #[error("reading {}: {source}", esc(path.display()))]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -67,7 +68,8 @@ impl ImportError {
         match self {
             ImportError::Archive(ArchiveError::Sink { .. }) => true,
             ImportError::Archive(_) | ImportError::Panic(_) => false,
-            ImportError::Containerd(_) | ImportError::Io { .. } => true,
+            ImportError::Io { source, .. } => !open::is_not_regular(source),
+            ImportError::Containerd(_) => true,
         }
     }
 }
@@ -174,6 +176,26 @@ impl Report {
     }
 }
 
+/// User-controlled text (file names, references, image names, messages
+/// quoting them) for a log line: control characters — newlines, ANSI
+/// escapes — are escaped so nobody can forge or colour log lines.
+pub fn esc(s: impl std::fmt::Display) -> String {
+    let s = s.to_string();
+    if !s.chars().any(char::is_control) {
+        return s;
+    }
+    s.chars()
+        .flat_map(|c| {
+            let v: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            v
+        })
+        .collect()
+}
+
 /// Whether a file name is something we import (dotfiles never are, so
 /// `.x.tar.partial`-style temp files and our state file stay out).
 pub fn supported(path: &Path) -> Option<FileKind> {
@@ -214,7 +236,7 @@ pub async fn import_files_with(
         };
         let is_list = supported(f) == Some(FileKind::List);
         if is_list && ns != pull::CRI_NAMESPACE {
-            tracing::warn!(file = %f.display(), "pull lists are pulled through CRI, which always uses k8s.io");
+            tracing::warn!(file = %esc(f.display()), "pull lists are pulled through CRI, which always uses k8s.io");
         }
         if is_list {
             list_once(&containerd, f, source.as_deref(), &mut r).await;
@@ -226,7 +248,7 @@ pub async fn import_files_with(
             match write::import_archive(&containerd, ns, f, opts, source.as_deref()).await {
                 Ok(o) => {
                     for w in &o.warnings {
-                        tracing::warn!(file = %f.display(), "{w}");
+                        tracing::warn!(file = %esc(f.display()), warning = %esc(w), "archive warning");
                     }
                     r.images = o.images.into_iter().map(|(n, _)| n).collect();
                     r.failures = o.failures;
@@ -236,10 +258,10 @@ pub async fn import_files_with(
         }
         r.duration = started.elapsed();
         for e in &r.failures {
-            tracing::error!(file = %f.display(), "{e}");
+            tracing::error!(file = %esc(f.display()), error = %esc(e), "import failure");
         }
         tracing::info!(
-            file = %f.display(),
+            file = %esc(f.display()),
             size_mib = r.bytes >> 20,
             images = r.images.len(),
             failures = r.failures.len(),
@@ -260,8 +282,11 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
             return;
         }
     };
-    for (line, text, e) in &list.invalid {
-        r.failures.push(format!("line {line} {text:?}: {e}"));
+    for (line, _, e) in &list.invalid {
+        r.failures.push(format!(
+            "line {line}: invalid reference: {}",
+            pull::invalid_reason(e)
+        ));
     }
     for reference in &list.refs {
         let mut attempt = 0;
@@ -277,7 +302,7 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
                     break;
                 }
                 Err(e) if attempt < 2 => {
-                    tracing::warn!(file = %path.display(), image = %reference, error = %e, "pull failed; retrying");
+                    tracing::warn!(file = %esc(path.display()), image = %esc(reference), error = %esc(&e), "pull failed; retrying");
                     tokio::time::sleep(pull::backoff(attempt)).await;
                     attempt += 1;
                 }
@@ -335,4 +360,7 @@ pub struct Importer {
     pull_tx: mpsc::Sender<PullEvent>,
     pull_rx: mpsc::Receiver<PullEvent>,
     warned_list_ns: HashSet<usize>,
+    /// Paths refused as not regular files, by the stamp they had: warned
+    /// once, looked at again only when they change.
+    refused: HashMap<PathBuf, Stamp>,
 }

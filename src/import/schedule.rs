@@ -13,7 +13,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::state::{FileKind, FileState, Stamp, State};
 use super::watch::{DirWatcher, Signal};
-use super::{supported, Count, ImportObserver, Importer, Pending, MAX_DIR_DEPTH, RESCAN_EVERY};
+use super::{
+    esc, supported, Count, ImportObserver, Importer, Pending, MAX_DIR_DEPTH, RESCAN_EVERY,
+};
 use crate::config::{Import, ImportDir};
 use crate::containerd::Containerd;
 
@@ -33,6 +35,7 @@ impl Importer {
             pull_tx,
             pull_rx,
             warned_list_ns: HashSet::new(),
+            refused: HashMap::new(),
         }
     }
 
@@ -71,7 +74,7 @@ impl Importer {
         let (mut watcher, mut events) = match DirWatcher::new(&dirs) {
             Ok((w, rx)) => (Some(w), Some(rx)),
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the file watcher; relying on periodic rescans");
+                tracing::error!(error = %esc(&e), "cannot start the file watcher; relying on periodic rescans");
                 (None, None)
             }
         };
@@ -146,7 +149,7 @@ impl Importer {
                             .is_some_and(|t| &t.digest == digest || digest.is_empty()) => {}
                     Ok(_) => missing.push(name.clone()),
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot check recorded images; will import again");
+                        tracing::warn!(error = %esc(&e), "cannot check recorded images; will import again");
                         missing.push(name.clone());
                     }
                 }
@@ -156,7 +159,7 @@ impl Importer {
             }
             if f.kind == FileKind::List || !missing.is_empty() {
                 if !missing.is_empty() {
-                    tracing::info!(file = %path.display(), images = ?missing, "recorded images are gone or changed; importing again");
+                    tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", missing)), "recorded images are gone or changed; importing again");
                 }
                 self.pend(root, path, Some(Stamp::of(&m)), true, Duration::ZERO);
             }
@@ -201,7 +204,7 @@ impl Importer {
         let ev = match ev {
             Ok(ev) => ev,
             Err(e) => {
-                tracing::warn!(error = %e, "file watcher error; rescanning");
+                tracing::warn!(error = %esc(&e), "file watcher error; rescanning");
                 self.rescan_all(watcher, false);
                 return;
             }
@@ -273,7 +276,16 @@ impl Importer {
                     }
                     continue;
                 }
-                if !m.is_file() || supported(&p).is_none() {
+                if supported(&p).is_none() {
+                    continue;
+                }
+                if !m.is_file() {
+                    if self.refused.get(&p) != Some(&Stamp::of(&m))
+                        && !self.pending.contains_key(&p)
+                    {
+                        let debounce = self.cfg.debounce;
+                        self.pend(root, p, Some(Stamp::of(&m)), false, debounce);
+                    }
                     continue;
                 }
                 seen.insert(p.clone());
@@ -322,7 +334,10 @@ impl Importer {
     pub(super) async fn handle(&mut self, path: PathBuf, p: Pending) {
         let m = match std::fs::metadata(&path) {
             Ok(m) => m,
-            Err(_) => return self.removed(&path, p).await,
+            Err(_) => {
+                self.refused.remove(&path);
+                return self.removed(&path, p).await;
+            }
         };
         if m.is_dir() {
             // Whatever was recorded as a file here is gone.
@@ -333,6 +348,19 @@ impl Importer {
             return;
         }
         let stamp = Stamp::of(&m);
+        if !m.is_file() {
+            // FIFOs, sockets, devices (or symlinks to them): never opened
+            // here; the open itself re-checks the descriptor.
+            if supported(&path).is_some() {
+                let e = std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    super::open::NotRegular(super::open::describe(m.file_type())),
+                );
+                self.refuse(&path, stamp, &e);
+            }
+            return;
+        }
+        self.refused.remove(&path);
         if p.stamp != Some(stamp) {
             // Still being written: wait until it is quiet for a full period.
             let debounce = self.cfg.debounce;
@@ -353,6 +381,17 @@ impl Importer {
         }
     }
 
+    /// `path` is not a regular file: one WARN per version of it (its
+    /// stamp), never read, looked at again only when it changes.
+    pub(super) fn refuse(&mut self, path: &Path, stamp: Stamp, e: &std::io::Error) {
+        if self.refused.insert(path.to_path_buf(), stamp) == Some(stamp) {
+            return;
+        }
+        tracing::warn!(file = %esc(path.display()), error = %esc(e), "refused: not a regular file; not read until it changes");
+        self.count(Count::Failed, 1);
+        self.file_failed(path, "", e);
+    }
+
     /// Records what is known of `path` now; the state file is written later.
     pub(super) fn record(&mut self, path: PathBuf, file: FileState) {
         self.state.files.insert(path, file);
@@ -365,7 +404,7 @@ impl Importer {
         }
         match self.state.save(&self.cfg.state_file) {
             Ok(()) => self.state_dirty = false,
-            Err(e) => tracing::warn!(error = %e, "cannot save import state"),
+            Err(e) => tracing::warn!(error = %esc(&e), "cannot save import state"),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::rc::Rc;
 
 use sha2::{Digest as _, Sha256};
 
-use super::{ArchiveError, HEADER_LIMIT};
+use super::{ArchiveError, HEADER_LIMIT, RATIO_FLOOR};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Compression {
@@ -59,6 +59,7 @@ pub(super) struct Stream {
 pub(super) enum Fault {
     Decompress,
     Cap,
+    Ratio,
     Header,
 }
 
@@ -83,6 +84,7 @@ pub(super) struct Capped<R> {
     pub(super) inner: R,
     pub(super) st: Rc<Stream>,
     pub(super) cap: u64,
+    pub(super) max_ratio: u64,
     pub(super) compressed: bool,
 }
 
@@ -98,6 +100,14 @@ impl<R: Read> Read for Capped<R> {
         if total > self.cap {
             self.st.fault.set(Some(Fault::Cap));
             return Err(io::Error::other("decompressed size cap exceeded"));
+        }
+        if self.compressed
+            && self.max_ratio > 0
+            && total > RATIO_FLOOR
+            && total > self.st.raw.get().saturating_mul(self.max_ratio)
+        {
+            self.st.fault.set(Some(Fault::Ratio));
+            return Err(io::Error::other("decompression ratio cap exceeded"));
         }
         if !self.st.in_data.get() {
             let h = self.st.header_bytes.get() + n as u64;
@@ -133,13 +143,13 @@ mod tests {
         // Truncated plain tar (mid-entry).
         let e = read(&a[..a.len() - 3000], Limits::default()).0.unwrap_err();
         assert!(
-            matches!(e, ArchiveError::Truncated(_) | ArchiveError::Tar(_)),
+            matches!(e, ArchiveError::Truncated(_) | ArchiveError::Corrupt { .. }),
             "{e}"
         );
         // Garbage.
         let e = read(&[7u8; 3000], Limits::default()).0.unwrap_err();
         assert!(
-            matches!(e, ArchiveError::Tar(_) | ArchiveError::NotImage),
+            matches!(e, ArchiveError::Corrupt { .. } | ArchiveError::NotImage),
             "{e}"
         );
         // Corrupt gzip body (flipped bytes in the middle).
@@ -150,7 +160,10 @@ mod tests {
         }
         let e = read(&g, Limits::default()).0.unwrap_err();
         assert!(
-            matches!(e, ArchiveError::Decompress(..) | ArchiveError::Tar(_)),
+            matches!(
+                e,
+                ArchiveError::Decompress(..) | ArchiveError::Corrupt { .. }
+            ),
             "{e}"
         );
         // Unsafe paths.
@@ -172,6 +185,33 @@ mod tests {
         };
         let e = read(&bomb, limits).0.unwrap_err();
         assert!(matches!(e, ArchiveError::TooLarge(_)), "{e}");
+        // The same bomb, bigger, under the default caps: stopped by the
+        // ratio long before the absolute cap, saying why.
+        let bomb = gz(&vec![0u8; 96 << 20]);
+        let e = read(&bomb, Limits::default()).0.unwrap_err();
+        assert!(matches!(e, ArchiveError::Ratio { ratio: 100, .. }), "{e}");
+        assert!(
+            e.to_string().contains("import.max_decompression_ratio"),
+            "{e}"
+        );
+        let off = Limits {
+            max_ratio: 0,
+            ..Limits::default()
+        };
+        let e = read(&bomb, off).0.unwrap_err();
+        assert!(!matches!(e, ArchiveError::Ratio { .. }), "{e}");
+        // A file's bytes never reach an error: a text file read as a tar.
+        let secret = b"root:SECRET-hunter2:19000:0:99999:7:::\n".repeat(40);
+        let e = read(&secret, Limits::default()).0.unwrap_err().to_string();
+        assert!(!e.contains("hunter2"), "{e}");
+        let bad_json = T::new()
+            .file("manifest.json", br#""hunter2-secret""#)
+            .done();
+        let e = read(&bad_json, Limits::default())
+            .0
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("hunter2") && e.contains("line 1"), "{e}");
         // Oversized manifest.json.
         let big = T::new().file("manifest.json", &vec![b' '; 5 << 20]).done();
         assert!(matches!(

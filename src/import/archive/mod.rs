@@ -49,6 +49,10 @@ const MAX_DEPTH: usize = 8;
 /// Cap on a tar header plus its GNU long-name / PAX extension entries,
 /// which the tar crate holds in memory (real ones are well under 64 KiB).
 const HEADER_LIMIT: u64 = 1 << 20;
+/// Decompressed bytes before [`Limits::max_ratio`] applies: small archives
+/// (an almost empty image is mostly tar padding) compress far better than
+/// 100:1 and are harmless.
+const RATIO_FLOOR: u64 = 64 << 20;
 /// Symlink hops followed when resolving a docker-archive path.
 const MAX_LINK_HOPS: usize = 16;
 
@@ -71,6 +75,8 @@ const ANN_OCI_REF_NAME: &str = "org.opencontainers.image.ref.name";
 pub struct Limits {
     /// Decompressed bytes read from the archive (decompression bombs).
     pub max_decompressed: u64,
+    /// Decompressed bytes per raw byte, checked past [`RATIO_FLOOR`] (0 = off).
+    pub max_ratio: u64,
     /// One metadata document.
     pub metadata: usize,
     /// All metadata documents held at once.
@@ -81,6 +87,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_decompressed: 64 << 30,
+            max_ratio: 100,
             metadata: METADATA_LIMIT,
             metadata_budget: METADATA_BUDGET,
         }
@@ -89,12 +96,18 @@ impl Default for Limits {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArchiveError {
-    #[error("corrupt or unreadable tar: {0}")]
+    /// Only the reason's kind is shown: the tar crate's messages quote
+    /// header bytes, i.e. the file's content.
+    #[error("corrupt or unreadable tar: {}", safe_io(.0))]
     Tar(#[source] io::Error),
+    #[error("corrupt or unreadable tar at byte {offset} of the tar stream: {reason}")]
+    Corrupt { offset: u64, reason: String },
     #[error("{0} stream is corrupt or truncated: {1}")]
     Decompress(Compression, #[source] io::Error),
     #[error("decompressed size exceeds the cap of {0} bytes (import.max_decompressed_bytes)")]
     TooLarge(u64),
+    #[error("decompressed size passed {ratio}x the {raw} compressed bytes read (import.max_decompression_ratio); a decompression bomb?")]
+    Ratio { ratio: u64, raw: u64 },
     #[error("entry {0:?} escapes the archive (absolute path or '..')")]
     UnsafePath(String),
     #[error("link {0:?} -> {1:?} points outside the archive")]
@@ -109,7 +122,7 @@ pub enum ArchiveError {
     HeaderTooLarge(u64),
     #[error("more than {0} bytes of JSON metadata in one archive; refusing to hold it")]
     MetadataBudget(usize),
-    #[error("{0}: invalid JSON: {1}")]
+    #[error("{}: invalid JSON: {}", .0, json_reason(.1))]
     Json(String, #[source] serde_json::Error),
     #[error("blob {path:?} hashes to {actual}, not the digest its name claims")]
     DigestMismatch { path: String, actual: String },
@@ -278,6 +291,31 @@ pub struct Progress {
     pub decompressed_bytes: u64,
 }
 
+/// An I/O error's description without its message when that may quote
+/// file content (anything but an OS error).
+fn safe_io(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(_) => e.to_string(),
+        None => format!(
+            "{} ({})",
+            e.kind(),
+            "details withheld: they may quote the file"
+        ),
+    }
+}
+
+/// serde_json's position and category, not its message (which may quote
+/// the document).
+pub(super) fn json_reason(e: &serde_json::Error) -> String {
+    let what = match e.classify() {
+        serde_json::error::Category::Io => "read error",
+        serde_json::error::Category::Syntax => "syntax error",
+        serde_json::error::Category::Data => "unexpected structure or type",
+        serde_json::error::Category::Eof => "ends early",
+    };
+    format!("{what} at line {}, column {}", e.line(), e.column())
+}
+
 /// Options for [`read_archive`].
 #[derive(Clone, Debug, Default)]
 pub struct ReadOptions {
@@ -321,6 +359,7 @@ pub fn read_archive<R: Read>(
         inner: decoder,
         st: st.clone(),
         cap: opts.limits.max_decompressed,
+        max_ratio: opts.limits.max_ratio,
         compressed: compression != Compression::None,
     };
     let mut walker = Walker {
@@ -339,6 +378,10 @@ pub fn read_archive<R: Read>(
     let fault = |e: ArchiveError| -> ArchiveError {
         match st.fault.get() {
             Some(Fault::Cap) => ArchiveError::TooLarge(opts.limits.max_decompressed),
+            Some(Fault::Ratio) => ArchiveError::Ratio {
+                ratio: opts.limits.max_ratio,
+                raw: st.raw.get(),
+            },
             Some(Fault::Header) => ArchiveError::HeaderTooLarge(HEADER_LIMIT),
             Some(Fault::Decompress) => match e {
                 ArchiveError::Tar(io) => ArchiveError::Decompress(compression, io),
@@ -348,7 +391,13 @@ pub fn read_archive<R: Read>(
                 ),
                 other => other,
             },
-            None => e,
+            None => match e {
+                ArchiveError::Tar(io) => ArchiveError::Corrupt {
+                    offset: st.decompressed.get(),
+                    reason: safe_io(&io),
+                },
+                other => other,
+            },
         }
     };
     walker.walk(&mut tar).map_err(fault)?;

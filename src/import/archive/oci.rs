@@ -64,8 +64,13 @@ impl Walker<'_> {
                 d.digest, self.limits.metadata
             )));
         };
-        let m: Meta = serde_json::from_slice(data)
-            .map_err(|e| WalkError::Bad(format!("{}: invalid JSON: {e}", d.digest)))?;
+        let m: Meta = serde_json::from_slice(data).map_err(|e| {
+            WalkError::Bad(format!(
+                "{}: invalid JSON: {}",
+                d.digest,
+                super::json_reason(&e)
+            ))
+        })?;
         let media_type = [d.media_type.as_deref(), m.media_type.as_deref()]
             .into_iter()
             .flatten()
