@@ -217,8 +217,11 @@ pub enum PullEvent {
 
 /// A pull that can never succeed as written: retrying it only loads
 /// containerd (`[fd00::1]:5000/x:y` was retried forever).
+/// containerd 1.6 answers an unparsable reference with code Unknown and
+/// its parser's message, so the message is the only signal there.
 fn permanent(e: &crate::containerd::Error) -> bool {
     matches!(e.code(), Some(tonic::Code::InvalidArgument))
+        || e.to_string().contains("invalid reference format")
 }
 
 /// Pulls `refs` until each has succeeded once, retrying failures with
