@@ -15,6 +15,11 @@ use std::time::{Duration, Instant};
 use common::*;
 use containerd_client::services::v1 as api;
 
+/// The tests of this file run one at a time: the latency test measures
+/// the proxy, and the others' containerd start-ups and bomb compression on
+/// the same two cores stalled it by 150–370 ms (alone: well under 100 ms).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A containerd, and imgbridge watching one directory with `extra` config.
 struct Setup {
     c: Containerd,
@@ -100,6 +105,7 @@ fn rss_kib(pid: u32) -> u64 {
 /// reference names a denied host, so the list costs parsing and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn big_pull_list_does_not_stall_the_proxy() {
+    let _serial = SERIAL.lock().await;
     let s = start(false, "pull_hosts_deny = [\"docker.io\"]", &[]);
     let mut list = String::new();
     let mut n = 0;
@@ -128,7 +134,7 @@ async fn big_pull_list_does_not_stall_the_proxy() {
     drop_in(&s.images, "big.txt", list.as_bytes());
     let p = &s.p;
     let line = tokio::task::block_in_place(|| {
-        wait_line(p, &["pull list parsed", "big.txt"], Duration::from_secs(3))
+        wait_line(p, &["pull list parsed", "big.txt"], Duration::from_secs(10))
     });
     let took = dropped.elapsed();
     // Keep probing while the importer handles the parsed list.
@@ -142,9 +148,12 @@ async fn big_pull_list_does_not_stall_the_proxy() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no ms= in {line:?}"));
     assert!(line.contains(&format!("references={n}")), "{line}");
-    assert!(ms < 1000, "parsing took {ms} ms: {line}");
+    // Under a second as built for use; an unoptimised build on this
+    // shared 2-core machine measured 0.3–1.1 s (the quadratic parse: >95 s).
+    let bound = if cfg!(debug_assertions) { 5000 } else { 1000 };
+    assert!(ms < bound, "parsing took {ms} ms: {line}");
     assert!(
-        took < Duration::from_millis(200) + Duration::from_secs(2),
+        took < Duration::from_millis(200 + bound) + Duration::from_secs(2),
         "list seen as parsed {took:?} after it was dropped"
     );
     assert!(calls > 10, "only {calls} Version calls");
@@ -159,6 +168,7 @@ async fn big_pull_list_does_not_stall_the_proxy() {
 /// `/dev/zero` as a `.txt` ate 4 GB), and other files are imported meanwhile.
 #[tokio::test]
 async fn special_files_refused_once_and_others_imported() {
+    let _serial = SERIAL.lock().await;
     let s = start(false, "", &[]);
     let base_kib = rss_kib(s.p.pid());
     let d = &s.images;
@@ -230,6 +240,7 @@ impl NonBlock for std::fs::OpenOptions {
 /// secret nor raw control bytes reach the log; the names appear escaped.
 #[tokio::test]
 async fn file_contents_and_control_characters_never_logged() {
+    let _serial = SERIAL.lock().await;
     let s = start(false, "", &[]);
     let secret_dir = tempdir("hostile-secret-");
     let secret = secret_dir.path().join("shadow");
@@ -273,6 +284,7 @@ async fn file_contents_and_control_characters_never_logged() {
 /// harness sends it to a file, as journald or a log file would).
 #[tokio::test]
 async fn no_colour_codes_when_stderr_is_a_file() {
+    let _serial = SERIAL.lock().await;
     let s = start(false, "", &[]);
     let log = s.p.log();
     assert!(log.contains("INFO"), "{log}");
@@ -285,6 +297,7 @@ async fn no_colour_codes_when_stderr_is_a_file() {
 /// reported once, never retried.
 #[tokio::test]
 async fn pull_list_host_policy_and_retries() {
+    let _serial = SERIAL.lock().await;
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let s = start(true, "pull_attempts = 2", &["--metrics-listen", &addr]);
@@ -310,9 +323,15 @@ async fn pull_list_host_policy_and_retries() {
         2,
         "two attempts, then given up\n{log}"
     );
-    assert!(
-        count_lines(&log, &["will retry", "fd00::1"]) == 0,
-        "an invalid reference is not retried\n{log}"
+    // containerd 1.6 cannot parse a bracketed IPv6 registry ("invalid
+    // reference format"): tried once. Newer versions can: a private
+    // address, pulled like any other, and given up after two attempts.
+    let invalid = count_lines(&log, &["fd00::1", "invalid reference format"]) > 0;
+    let (retries, asked) = if invalid { (0, 1) } else { (1, 2) };
+    assert_eq!(
+        count_lines(&log, &["will retry", "fd00::1"]),
+        retries,
+        "fd00::1 retried as many times as allowed\n{log}"
     );
     let ctd = std::fs::read_to_string(s.c.log_path()).unwrap_or_default();
     assert!(
@@ -327,7 +346,7 @@ async fn pull_list_host_policy_and_retries() {
         );
     }
     assert!(
-        count_lines(&ctd, &["PullImage", "fd00::1", "level=info"]) <= 1,
+        count_lines(&ctd, &["PullImage", "fd00::1", "level=info"]) <= asked,
         "fd00::1 asked for more than once:\n{ctd}"
     );
     let status = http_get(&addr, "/status").unwrap_or_default();
@@ -338,6 +357,7 @@ async fn pull_list_host_policy_and_retries() {
 /// the decompression ratio, long before the 64 GiB cap, and says why.
 #[tokio::test]
 async fn decompression_bomb_stops_early() {
+    let _serial = SERIAL.lock().await;
     let s = start(false, "", &[]);
     let bomb = zstd::encode_all(&vec![0u8; 256 << 20][..], 3).unwrap();
     assert!(bomb.len() < 1 << 20);

@@ -151,7 +151,7 @@ impl Importer {
     pub(super) async fn same_bytes(&self, path: &Path, prev: &FileState) -> bool {
         let p = path.to_path_buf();
         let size = prev.size;
-        let digest = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
+        let digest = open::in_background(move || -> std::io::Result<String> {
             use sha2::Digest as _;
             let mut h = sha2::Sha256::new();
             let f = open::open_regular(&p)?;
@@ -159,7 +159,7 @@ impl Importer {
             Ok(format!("sha256:{}", hex::encode(h.finalize())))
         })
         .await;
-        matches!(digest, Ok(Ok(d)) if Some(&d) == prev.sha256.as_ref())
+        matches!(digest, Some(Ok(d)) if Some(&d) == prev.sha256.as_ref())
     }
 
     pub(super) async fn import_list(&mut self, path: PathBuf, stamp: Stamp, p: Pending) {
@@ -178,22 +178,22 @@ impl Importer {
         // runtime, so the proxy never waits for them.
         let started = Instant::now();
         let p2 = path.clone();
-        let list = match tokio::task::spawn_blocking(move || pull::read(&p2)).await {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) if open::is_not_regular(&e) => {
+        let list = match open::in_background(move || pull::read(&p2)).await {
+            Some(Ok(l)) => l,
+            Some(Err(e)) if open::is_not_regular(&e) => {
                 self.refuse(&path, stamp, &e);
                 return;
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 tracing::error!(file = %esc(path.display()), error = %esc(&e), "cannot read pull list");
                 self.count(Count::Failed, 1);
                 self.file_failed(&path, "", &e);
                 return;
             }
-            Err(e) => {
-                tracing::error!(file = %esc(path.display()), error = %esc(&e), "pull list parser failed");
+            None => {
+                tracing::error!(file = %esc(path.display()), "pull list parser failed");
                 self.count(Count::Failed, 1);
-                self.file_failed(&path, "", &e);
+                self.file_failed(&path, "", &"pull list parser failed");
                 return;
             }
         };

@@ -56,6 +56,30 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
     Ok(f)
 }
 
+/// Runs work proportional to a file's size (parsing, hashing, reading an
+/// archive) on a thread of its own at a lower CPU priority (nice +10), so
+/// on a busy node the proxy's runtime threads win: a Version loop through
+/// the proxy saw 374 ms stalls while a 145k-line list was parsed on a
+/// blocking-pool thread at normal priority. `None` if the work panicked.
+pub async fn in_background<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("imgbridge-import".into())
+        .spawn(move || {
+            // Per thread on Linux; failure only means normal priority.
+            // SAFETY: plain syscalls on the calling thread.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+            }
+            let _ = tx.send(f());
+        });
+    if spawned.is_err() {
+        return None;
+    }
+    rx.await.ok()
+}
+
 /// Whether an error is [`open_regular`]'s refusal (not worth retrying).
 pub fn is_not_regular(e: &io::Error) -> bool {
     e.get_ref().is_some_and(|i| i.is::<NotRegular>())
