@@ -116,6 +116,24 @@ pub struct Import {
     pub debounce: Duration,
     /// Cap on decompressed bytes read from one archive (decompression bombs).
     pub max_decompressed_bytes: u64,
+    /// Cap on decompressed bytes per compressed byte read, checked once an
+    /// archive has produced 64 MiB (0 = off). A gzip bomb is ~1000:1; real
+    /// image archives hold already-compressed layers (~1:1) or layer tars
+    /// of binaries and text (typically 2–5:1), so the default 100 stops a
+    /// bomb after about 1 MiB read and no real image hits it.
+    pub max_decompression_ratio: u64,
+    /// Attempts per pull-list reference before giving up (an invalid
+    /// reference gets one); retries back off 1 s, 2 s, 4 s … up to 5 min.
+    /// A changed list starts over.
+    pub pull_attempts: u32,
+    /// Registry hosts pull lists may name even though they are refused by
+    /// default: link-local addresses (169.254.0.0/16, fe80::/10) and cloud
+    /// metadata services (`metadata.google.internal`, `169.254.169.254`,
+    /// `fd00:ec2::254`, …). Host names or IP literals, port ignored.
+    /// Private ranges (10/8, 192.168/16, fd00::/8 …) are always allowed.
+    pub pull_hosts_allow: Vec<String>,
+    /// Registry hosts pull lists may never name (wins over the allow list).
+    pub pull_hosts_deny: Vec<String>,
     /// Pin imported and pulled images.
     pub pin: bool,
 }
@@ -199,6 +217,10 @@ impl Default for Import {
             state_file: "/var/lib/imgbridge/import-state.json".into(),
             debounce: Duration::from_secs(2),
             max_decompressed_bytes: 64 << 30,
+            max_decompression_ratio: 100,
+            pull_attempts: 10,
+            pull_hosts_allow: Vec::new(),
+            pull_hosts_deny: Vec::new(),
             pin: true,
         }
     }
@@ -488,7 +510,7 @@ mod tests {
     fn readme_configuration_table_lists_every_key() {
         // The fragment, or the README once it is merged there.
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let docs: String = ["README.md"]
+        let docs: String = ["README.md", "docs/hostile-import-config.md"]
             .iter()
             .filter_map(|f| std::fs::read_to_string(root.join(f)).ok())
             .collect();

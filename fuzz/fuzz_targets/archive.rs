@@ -13,6 +13,7 @@ fuzz_target!(|data: &[u8]| {
             max_decompressed: 16 << 20,
             metadata: 1 << 20,
             metadata_budget: 4 << 20,
+            ..Limits::default()
         },
         hash_input: true,
     };

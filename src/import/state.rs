@@ -113,17 +113,17 @@ impl State {
             Ok(b) => match serde_json::from_slice::<State>(&b) {
                 Ok(s) if s.version == VERSION => s,
                 Ok(s) => {
-                    tracing::warn!(file = %path.display(), version = s.version, "import state file has an unknown version; starting afresh");
+                    tracing::warn!(file = %crate::import::esc(path.display()), version = s.version, "import state file has an unknown version; starting afresh");
                     State::new()
                 }
                 Err(e) => {
-                    tracing::warn!(file = %path.display(), error = %e, "import state file is corrupt; starting afresh");
+                    tracing::warn!(file = %crate::import::esc(path.display()), error = %crate::import::esc(&e), "import state file is corrupt; starting afresh");
                     State::new()
                 }
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::new(),
             Err(e) => {
-                tracing::warn!(file = %path.display(), error = %e, "cannot read import state file; starting afresh");
+                tracing::warn!(file = %crate::import::esc(path.display()), error = %crate::import::esc(&e), "cannot read import state file; starting afresh");
                 State::new()
             }
         }

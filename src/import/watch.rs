@@ -120,7 +120,9 @@ impl DirWatcher {
                 Ok(()) => {
                     now.insert(p.clone());
                 }
-                Err(e) => tracing::debug!(dir = %p.display(), error = %e, "cannot watch ancestor"),
+                Err(e) => {
+                    tracing::debug!(dir = %crate::import::esc(p.display()), error = %crate::import::esc(&e), "cannot watch ancestor")
+                }
             }
         }
         root.ancestors = now;
@@ -139,14 +141,14 @@ impl DirWatcher {
             match self.inner.watch(&dir, RecursiveMode::Recursive) {
                 Ok(()) => {
                     root.watched = Some(t);
-                    tracing::info!(dir = %dir.display(), "watching import directory");
+                    tracing::info!(dir = %crate::import::esc(dir.display()), "watching import directory");
                 }
                 Err(e) => {
-                    tracing::warn!(dir = %dir.display(), error = %e, "cannot watch import directory; relying on periodic rescans")
+                    tracing::warn!(dir = %crate::import::esc(dir.display()), error = %crate::import::esc(&e), "cannot watch import directory; relying on periodic rescans")
                 }
             }
         } else {
-            tracing::info!(dir = %dir.display(), "import directory does not exist (yet); watching for it");
+            tracing::info!(dir = %crate::import::esc(dir.display()), "import directory does not exist (yet); watching for it");
         }
         true
     }

@@ -205,7 +205,7 @@ pub async fn import_archive(
     let lease = c.create_lease(ns, LEASE_TTL).await?;
     let res = import_leased(c, ns, path, opts, source, &lease).await;
     if let Err(e) = c.delete_lease(ns, &lease).await {
-        tracing::warn!(lease, error = %e, "releasing import lease failed; it expires on its own");
+        tracing::warn!(lease, error = %crate::import::esc(&e), "releasing import lease failed; it expires on its own");
     }
     res
 }
@@ -248,14 +248,14 @@ fn read_file(
         path: path.into(),
         source,
     };
-    let f = std::fs::File::open(path).map_err(io)?;
+    let f = super::open::open_regular(path).map_err(io)?;
     let total = f.metadata().map_err(io)?.len();
     let started = Instant::now();
     let (mut last_t, mut last_b) = (started, 0u64);
     let mut progress = |p: Progress| {
         if last_t.elapsed() >= PROGRESS_EVERY || p.raw_bytes >= last_b + PROGRESS_BYTES {
             tracing::info!(
-                file = %path.display(),
+                file = %super::esc(path.display()),
                 read_mib = p.raw_bytes >> 20,
                 size_mib = total >> 20,
                 decompressed_mib = p.decompressed_bytes >> 20,

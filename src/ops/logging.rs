@@ -38,8 +38,11 @@ pub fn filter(config_filter: &str, rust_log: Option<&str>) -> Result<EnvFilter, 
 pub fn init(log: &Log) -> Result<(), LogError> {
     let env = std::env::var("RUST_LOG").ok();
     let filter = filter(&log.filter, env.as_deref())?;
+    // Colour codes only for a person at a terminal: journald and log files
+    // got raw escape sequences.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match log.format.as_str() {
         "json" => b.json().try_init(),

@@ -1,0 +1,434 @@
+//! File handling: what happens to a due path — an archive imported, a
+//! pull list (re)started, a removed file's pins dropped.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use super::archive::{Limits, ReadOptions};
+use super::pull::{self, PullEvent};
+use super::state::{FileKind, FileState, Stamp};
+use super::{esc, open, pin, write, Count, Importer, ListTask, Pending, RETRY_BASE, RETRY_MAX};
+
+/// Invalid or refused lines of one list logged one by one; the rest are counted.
+const MAX_LOGGED: usize = 10;
+
+impl Importer {
+    pub(super) async fn import_archive(&mut self, path: PathBuf, stamp: Stamp, p: Pending) {
+        let root = p.root;
+        let ns = self.dir(root).namespace.clone();
+        let prev = self.state.files.get(&path).cloned();
+        if !p.force {
+            if let Some(prev) = &prev {
+                if prev.stamp() == stamp {
+                    self.count(Count::Skipped, 1);
+                    return;
+                }
+                if prev.size == stamp.size
+                    && prev.sha256.is_some()
+                    && self.same_bytes(&path, prev).await
+                {
+                    tracing::info!(file = %esc(path.display()), "touched but unchanged; not importing again");
+                    if let Some(f) = self.state.files.get_mut(&path) {
+                        f.mtime_ns = stamp.mtime_ns;
+                    }
+                    self.state_dirty = true;
+                    self.count(Count::Skipped, 1);
+                    return;
+                }
+            }
+        }
+        let hash = pin::path_hash(&path);
+        let source = self.cfg.pin.then_some(hash.as_str());
+        let opts = ReadOptions {
+            limits: Limits {
+                max_decompressed: self.cfg.max_decompressed_bytes,
+                ..Limits::default()
+            },
+            hash_input: true,
+        };
+        tracing::info!(file = %esc(path.display()), size_mib = stamp.size >> 20, namespace = %ns, "importing");
+        let started = Instant::now();
+        let res = write::import_archive(&self.c, &ns, &path, opts, source).await;
+        let secs = format!("{:.1}", started.elapsed().as_secs_f64());
+        match res {
+            Ok(o) => {
+                for w in &o.warnings {
+                    tracing::warn!(file = %esc(path.display()), warning = %esc(w), "archive warning");
+                }
+                for f in &o.failures {
+                    tracing::error!(file = %esc(path.display()), error = %esc(f), "image not imported");
+                }
+                self.count(Count::Images, o.images.len() as u64);
+                self.count(Count::Pinned, o.pinned);
+                self.count(Count::Failed, o.failures.len() as u64);
+                match o.failures.as_slice() {
+                    [] => self.file_ok(&path, ""),
+                    [one] => self.file_failed(&path, "", one),
+                    [first, rest @ ..] => {
+                        let more = format!("{first} (and {} more)", rest.len());
+                        self.file_failed(&path, "", &more)
+                    }
+                }
+                // Last: a reader that sees the file counted sees its images.
+                self.count(Count::Imported, 1);
+                let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
+                tracing::info!(
+                    file = %esc(path.display()),
+                    size_mib = stamp.size >> 20,
+                    images = ?images.keys().collect::<Vec<_>>(),
+                    failures = o.failures.len(),
+                    secs,
+                    "imported"
+                );
+                if let Some(prev) = &prev {
+                    let gone: Vec<String> = prev
+                        .images
+                        .keys()
+                        .filter(|n| !images.contains_key(*n))
+                        .cloned()
+                        .collect();
+                    self.unpin_names(&path, prev, &gone).await;
+                }
+                let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
+                self.record(
+                    path.clone(),
+                    FileState {
+                        sha256: o.raw_sha256,
+                        images,
+                        error,
+                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
+                    },
+                );
+                // Changed while we read it: look again once it settles.
+                if std::fs::metadata(&path).ok().map(|m| Stamp::of(&m)) != Some(stamp) {
+                    let debounce = self.cfg.debounce;
+                    self.pend(root, path, None, false, debounce);
+                }
+            }
+            Err(super::ImportError::Io { source, .. }) if open::is_not_regular(&source) => {
+                self.refuse(&path, stamp, &source);
+            }
+            Err(e) if e.is_transient() => {
+                let delay = RETRY_BASE
+                    .saturating_mul(1 << p.attempt.min(6))
+                    .min(RETRY_MAX);
+                tracing::warn!(file = %esc(path.display()), error = %esc(&e), retry_in = ?delay, "import failed; will retry");
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &format_args!("{e} (retrying in {delay:?})"));
+                self.pending.insert(
+                    path,
+                    Pending {
+                        due: Instant::now() + delay,
+                        stamp: Some(stamp),
+                        attempt: p.attempt + 1,
+                        ..p
+                    },
+                );
+            }
+            Err(e) => {
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), secs, "import failed; the file is skipped until it changes");
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &e);
+                // Images an earlier version provided stay pinned until the
+                // file is fixed or removed.
+                let images = prev.map(|p| p.images).unwrap_or_default();
+                self.record(
+                    path,
+                    FileState {
+                        images,
+                        error: Some(e.to_string()),
+                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
+                    },
+                );
+            }
+        }
+    }
+
+    /// Whether the file still has the bytes recorded (a `touch` is no change).
+    pub(super) async fn same_bytes(&self, path: &Path, prev: &FileState) -> bool {
+        let p = path.to_path_buf();
+        let size = prev.size;
+        let digest = open::in_background(move || -> std::io::Result<String> {
+            use sha2::Digest as _;
+            let mut h = sha2::Sha256::new();
+            let f = open::open_regular(&p)?;
+            std::io::copy(&mut std::io::Read::take(f, size + 1), &mut h)?;
+            Ok(format!("sha256:{}", hex::encode(h.finalize())))
+        })
+        .await;
+        matches!(digest, Some(Ok(d)) if Some(&d) == prev.sha256.as_ref())
+    }
+
+    pub(super) async fn import_list(&mut self, path: PathBuf, stamp: Stamp, p: Pending) {
+        let root = p.root;
+        let ns = self.dir(root).namespace.clone();
+        if ns != pull::CRI_NAMESPACE && self.warned_list_ns.insert(root) {
+            tracing::warn!(dir = %esc(self.dir(root).path.display()), namespace = %ns, "pull lists are pulled through CRI, which always uses k8s.io");
+        }
+        let prev = self.state.files.get(&path).cloned();
+        if !p.force && prev.as_ref().is_some_and(|f| f.stamp() == stamp) {
+            self.count(Count::Skipped, 1);
+            return;
+        }
+        let hash = pin::path_hash(&path);
+        // Reading and parsing are proportional to the file: off the async
+        // runtime, so the proxy never waits for them.
+        let started = Instant::now();
+        let p2 = path.clone();
+        let list = match open::in_background(move || pull::read(&p2)).await {
+            Some(Ok(l)) => l,
+            Some(Err(e)) if open::is_not_regular(&e) => {
+                self.refuse(&path, stamp, &e);
+                return;
+            }
+            Some(Err(e)) => {
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), "cannot read pull list");
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &e);
+                return;
+            }
+            None => {
+                tracing::error!(file = %esc(path.display()), "pull list parser failed");
+                self.count(Count::Failed, 1);
+                self.file_failed(&path, "", &"pull list parser failed");
+                return;
+            }
+        };
+        tracing::info!(
+            file = %esc(path.display()),
+            references = list.refs.len(),
+            invalid = list.invalid.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "pull list parsed"
+        );
+        // Lines are named by number and reason, never quoted: a list may be
+        // a symlink to any file. A few are logged, then a count.
+        for (line, _, e) in list.invalid.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), line, reason = pull::invalid_reason(e), "invalid reference in pull list; not pulled");
+        }
+        if list.invalid.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = list.invalid.len() - MAX_LOGGED, "more invalid references in pull list");
+        }
+        self.count(Count::Failed, list.invalid.len() as u64);
+        let policy = pull::HostPolicy {
+            allow: self.cfg.pull_hosts_allow.clone(),
+            deny: self.cfg.pull_hosts_deny.clone(),
+        };
+        let mut list = list;
+        let mut refused = Vec::new();
+        list.refs.retain(|r| match policy.check(r) {
+            Ok(()) => true,
+            Err(why) => {
+                refused.push((r.clone(), why));
+                false
+            }
+        });
+        for (r, why) in refused.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), image = %esc(r), reason = %esc(why), "pull refused");
+        }
+        if refused.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = refused.len() - MAX_LOGGED, "more pulls refused");
+        }
+        self.count(Count::Failed, refused.len() as u64);
+        match (list.invalid.first(), refused.first()) {
+            (Some((line, _, e)), _) => self.file_failed(
+                &path,
+                &format!("line {line}"),
+                &format_args!("invalid reference: {}", pull::invalid_reason(e)),
+            ),
+            (None, Some((r, why))) => {
+                self.file_failed(&path, r, &format_args!("pull refused: {why}"))
+            }
+            // A new version of the list: its pulls start over.
+            (None, None) => self.file_ok(&path, ""),
+        }
+        let wanted: HashSet<&String> = list.refs.iter().collect();
+        let mut images = prev.as_ref().map(|f| f.images.clone()).unwrap_or_default();
+        if let Some(prev) = &prev {
+            let gone: Vec<String> = prev
+                .images
+                .keys()
+                .filter(|n| !wanted.contains(n))
+                .cloned()
+                .collect();
+            if !gone.is_empty() {
+                tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", gone)), "left the pull list");
+            }
+            self.unpin_names(&path, prev, &gone).await;
+            images.retain(|n, _| wanted.contains(n));
+        }
+        let error = (!list.invalid.is_empty() || !refused.is_empty()).then(|| {
+            format!(
+                "{} invalid lines, {} references refused",
+                list.invalid.len(),
+                refused.len()
+            )
+        });
+        self.record(
+            path.clone(),
+            FileState {
+                images,
+                error,
+                ..FileState::new(FileKind::List, hash, pull::CRI_NAMESPACE.into(), stamp)
+            },
+        );
+        if let Some(t) = self.lists.remove(&path) {
+            t.cancel.cancel();
+        }
+        tracing::info!(file = %esc(path.display()), references = list.refs.len(), "processing pull list");
+        if list.refs.is_empty() {
+            return;
+        }
+        self.generation += 1;
+        let cancel = CancellationToken::new();
+        self.lists.insert(
+            path.clone(),
+            ListTask {
+                generation: self.generation,
+                cancel: cancel.clone(),
+            },
+        );
+        tokio::spawn(pull::run_list(
+            self.c.clone(),
+            path,
+            self.generation,
+            list.refs,
+            self.cfg.pull_attempts,
+            self.pull_tx.clone(),
+            cancel,
+        ));
+    }
+
+    pub(super) async fn on_pull(&mut self, ev: PullEvent) {
+        match ev {
+            PullEvent::Done {
+                path,
+                generation,
+                reference,
+                got,
+                target,
+            } => {
+                if self.lists.get(&path).map(|t| t.generation) != Some(generation) {
+                    return;
+                }
+                let hash = pin::path_hash(&path);
+                let mut target = target;
+                if self.cfg.pin {
+                    match pin::pin(&self.c, pull::CRI_NAMESPACE, &reference, &hash).await {
+                        Ok(Some((img, pinned))) => {
+                            self.count(Count::Pinned, u64::from(pinned));
+                            target = img.target.map(|t| t.digest).unwrap_or(target);
+                        }
+                        Ok(None) => {
+                            tracing::warn!(file = %esc(path.display()), image = %esc(&reference), "CRI resolves the image but no record has that name; not pinned")
+                        }
+                        Err(e) => {
+                            tracing::warn!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&e), "pinning failed")
+                        }
+                    }
+                }
+                tracing::info!(file = %esc(path.display()), image = %esc(&reference), how = ?got, "pull list image ready");
+                self.count(Count::Pulled, 1);
+                self.file_ok(&path, &reference);
+                if let Some(f) = self.state.files.get_mut(&path) {
+                    f.images.insert(reference, target);
+                    self.state_dirty = true;
+                }
+            }
+            PullEvent::Failed {
+                path,
+                generation,
+                reference,
+                error,
+                retry_in,
+                attempts,
+            } => {
+                if self.lists.get(&path).map(|t| t.generation) != Some(generation) {
+                    return;
+                }
+                // Reported before it is counted: whoever sees the count
+                // sees the error.
+                match retry_in {
+                    Some(d) => {
+                        self.file_failed(
+                            &path,
+                            &reference,
+                            &format_args!("{error} (attempt {attempts}; retrying in {d:?})"),
+                        );
+                        self.count(Count::PullFailed, 1);
+                        tracing::warn!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&error), attempts, retry_in = ?d, "pull failed; will retry");
+                    }
+                    None => {
+                        self.file_failed(&path, &reference, &format_args!("{error} (gave up after {attempts} attempts; retried when the list changes)"));
+                        self.count(Count::PullFailed, 1);
+                        tracing::error!(file = %esc(path.display()), image = %esc(&reference), error = %esc(&error), attempts, "pull failed; gave up until the list changes");
+                    }
+                }
+            }
+        }
+    }
+
+    /// `path` (a file, or a directory and everything recorded below it) is
+    /// gone: unpin what only it provided.
+    pub(super) async fn removed(&mut self, path: &Path, p: Pending) {
+        for k in self.state.under(path) {
+            if let Some(t) = self.lists.remove(&k) {
+                t.cancel.cancel();
+            }
+            let Some(f) = self.state.files.remove(&k) else {
+                continue;
+            };
+            self.state_dirty = true;
+            let names: Vec<String> = f.images.keys().cloned().collect();
+            if !self.unpin_names(&k, &f, &names).await {
+                // containerd unreachable: keep the record and try again.
+                self.state.files.insert(k.clone(), f);
+                let delay = RETRY_BASE
+                    .saturating_mul(1 << p.attempt.min(6))
+                    .min(RETRY_MAX);
+                self.pending.insert(
+                    k,
+                    Pending {
+                        root: p.root,
+                        due: Instant::now() + delay,
+                        stamp: None,
+                        force: false,
+                        attempt: p.attempt + 1,
+                    },
+                );
+                continue;
+            }
+            tracing::info!(file = %esc(k.display()), "source removed");
+            self.file_ok(&k, "");
+        }
+    }
+
+    /// Drops `f`'s pin from `names`, keeping it where another live file
+    /// still provides the image. Returns false if containerd failed.
+    pub(super) async fn unpin_names(
+        &mut self,
+        path: &Path,
+        f: &FileState,
+        names: &[String],
+    ) -> bool {
+        let mut ok = true;
+        for name in names {
+            let live = self.state.providers(&f.namespace, name, path);
+            match pin::unpin(&self.c, &f.namespace, name, &f.hash, &live).await {
+                Ok(pin::Unpinned::Untouched) => {}
+                Ok(how) => {
+                    self.count(Count::Unpinned, 1);
+                    tracing::info!(file = %esc(path.display()), image = %esc(name), result = ?how, "unpinned");
+                }
+                Err(e) => {
+                    tracing::warn!(file = %esc(path.display()), image = %esc(name), error = %esc(&e), "unpinning failed");
+                    ok = false;
+                }
+            }
+        }
+        ok
+    }
+}
