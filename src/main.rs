@@ -239,6 +239,7 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
             c.import.pin && !a.no_pin,
             imgbridge::import::archive::Limits {
                 max_decompressed: c.import.max_decompressed_bytes,
+                max_ratio: c.import.max_decompression_ratio,
                 ..Default::default()
             },
         )
