@@ -86,6 +86,13 @@ pub trait Hook: Send {
     /// Runs after containerd answered OK, before the reply is relayed; an
     /// error replaces the reply (containerd's change is not rolled back).
     fn after(self: Box<Self>, request: Bytes, response: Bytes) -> HookFuture<'static>;
+
+    /// The client reset the call after its whole request had gone to
+    /// containerd, which may carry it out anyway: work to run detached
+    /// (it answers no one), with the request message.
+    fn abandoned(self: Box<Self>, _request: Bytes) -> Option<WatchFuture> {
+        None
+    }
 }
 
 /// Passthrough only: the proxy without policy.

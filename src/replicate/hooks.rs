@@ -16,7 +16,9 @@ use containerd_client::services::v1::{
 use super::commit::{WriteWatch, WRITE};
 use super::Replicator;
 use crate::containerd::Descriptor;
-use crate::proxy::intercept::{typed, CallInfo, Hook, HookFuture, Interceptor, StreamWatch};
+use crate::proxy::intercept::{
+    typed, CallInfo, Hook, HookFuture, Interceptor, StreamWatch, WatchFuture,
+};
 
 pub const CREATE: &str = "/containerd.services.images.v1.Images/Create";
 pub const UPDATE: &str = "/containerd.services.images.v1.Images/Update";
@@ -50,22 +52,11 @@ impl Interceptor for ImageHooks {
             .to_string();
         let r = self.r.clone();
         match &*call.method {
-            CREATE => Some(typed(
-                move |_: CreateImageRequest, resp: CreateImageResponse| async move {
-                    match resp.image {
-                        Some(img) => r.on_write(CREATE, &ns, &img.name).await,
-                        None => Ok(()),
-                    }
-                },
-            )),
-            UPDATE => Some(typed(
-                move |_: UpdateImageRequest, resp: UpdateImageResponse| async move {
-                    match resp.image {
-                        Some(img) => r.on_write(UPDATE, &ns, &img.name).await,
-                        None => Ok(()),
-                    }
-                },
-            )),
+            CREATE | UPDATE => Some(Box::new(ImageWrite {
+                r,
+                ns,
+                create: &*call.method == CREATE,
+            })),
             DELETE => Some(typed(move |req: DeleteImageRequest, _: ()| async move {
                 // The source delete succeeded; a failure to apply the policy
                 // is logged, never turned into an error for the caller.
@@ -92,6 +83,43 @@ impl Interceptor for ImageHooks {
             .as_deref()
             .filter(|ns| self.r.is_source(ns))?;
         Some(Box::new(WriteWatch::new(self.r.clone(), ns.to_string())))
+    }
+}
+
+/// Images Create / Update: replicate the image the reply names before the
+/// reply goes back; if the client resets the call after containerd got it,
+/// replicate the name the request gave anyway, detached.
+struct ImageWrite {
+    r: Arc<Replicator>,
+    ns: String,
+    create: bool,
+}
+
+impl Hook for ImageWrite {
+    fn after(self: Box<Self>, _request: Bytes, response: Bytes) -> HookFuture<'static> {
+        let image = match self.create {
+            true => CreateImageResponse::decode(response).map(|r| r.image),
+            false => UpdateImageResponse::decode(response).map(|r| r.image),
+        };
+        Box::pin(async move {
+            let method = if self.create { CREATE } else { UPDATE };
+            match image {
+                Ok(Some(img)) => self.r.on_write(method, &self.ns, &img.name).await,
+                Ok(None) => Ok(()),
+                Err(e) => Err(tonic::Status::internal(format!(
+                    "imgbridge could not decode the call to act on it (the upstream call succeeded): {e}"
+                ))),
+            }
+        })
+    }
+
+    fn abandoned(self: Box<Self>, request: Bytes) -> Option<WatchFuture> {
+        let name = match self.create {
+            true => CreateImageRequest::decode(request).ok()?.image?.name,
+            false => UpdateImageRequest::decode(request).ok()?.image?.name,
+        };
+        let (r, ns) = (self.r, self.ns);
+        Some(Box::pin(async move { r.on_abandoned(&ns, &name) }))
     }
 }
 

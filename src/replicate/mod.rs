@@ -1066,6 +1066,37 @@ impl Replicator {
         }
     }
 
+    /// A client reset its write of `name` after containerd got it
+    /// (containerd may or may not carry it out): replicate it once it is
+    /// there, looking a few times over about a second and a half. Later
+    /// writes are the events backstop's.
+    pub fn on_abandoned(self: &Arc<Self>, source: &str, name: &str) {
+        let (me, source, name) = (self.clone(), source.to_string(), name.to_string());
+        let task = async move {
+            let mut delay = Duration::from_millis(20);
+            for _ in 0..6 {
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+                if !matches!(me.c.get_image(&source, &name).await, Ok(Some(_))) {
+                    continue;
+                }
+                match me.replicate(&source, &name, false).await {
+                    Ok(_) => {
+                        tracing::info!(image = ?name, source, "replicated a write its client reset after containerd got it")
+                    }
+                    Err(e) => {
+                        tracing::warn!(image = ?name, source, error = %e, "replicating a write its client reset failed; the events backstop retries")
+                    }
+                }
+                return;
+            }
+        };
+        match &self.rt {
+            Some(rt) => rt.spawn(task),
+            None => tokio::spawn(task),
+        };
+    }
+
     fn retry_later(self: &Arc<Self>, source: &str, name: &str) {
         let (me, src, n) = (self.clone(), source.to_string(), name.to_string());
         tokio::spawn(async move {

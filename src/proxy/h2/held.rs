@@ -211,6 +211,20 @@ impl Held {
         self.reply.reset = Some(frame);
     }
 
+    /// The client reset the call: if its whole request reached containerd
+    /// (nothing parked), the hook's work for an abandoned call, to run
+    /// detached: containerd may still carry the call out.
+    pub(super) fn abandon(self) -> Option<crate::proxy::intercept::WatchFuture> {
+        if !self.request_done {
+            return None;
+        }
+        let CallState::Collecting { hook: Some(hook) } = self.state else {
+            return None;
+        };
+        let msg = grpc::unary_message(&self.request.freeze()).ok()?;
+        hook.abandoned(msg)
+    }
+
     /// Gives back flow-control credit held frames took and never delivered.
     pub(super) fn credit_back(&self, out: Out<'_>) {
         out.up.extend(frame::window_update(0, self.reply.flow));

@@ -339,6 +339,11 @@ impl State {
                 if let Some(call) = self.calls.remove(&head.stream) {
                     if let Some(held) = call.held {
                         held.credit_back(out);
+                        if from == Side::Client {
+                            if let Some(work) = held.abandon() {
+                                tokio::spawn(work);
+                            }
+                        }
                     } else if let Some(w) = call.watch {
                         out.up.extend(frame::window_update(0, w.kept_credit()));
                     }
