@@ -308,13 +308,34 @@ impl Sandbox {
         assert!(seen.is_some(), "container {n} never printed {expect:?}");
     }
 
+    /// StopContainer then RemoveContainer, retried for up to 30 s as
+    /// kubelet does: a container that just exited may still be settling
+    /// (containerd 2.x refuses to remove it while running; its shim may be
+    /// closing: "ttrpc: closed").
     async fn remove(&mut self, id: &str) {
-        self.rt
-            .remove_container(cri::RemoveContainerRequest {
-                container_id: id.into(),
-            })
-            .await
-            .expect("RemoveContainer");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let _ = self
+                .rt
+                .stop_container(cri::StopContainerRequest {
+                    container_id: id.into(),
+                    timeout: 0,
+                })
+                .await;
+            let r = self
+                .rt
+                .remove_container(cri::RemoveContainerRequest {
+                    container_id: id.into(),
+                })
+                .await;
+            match r {
+                Ok(_) => return,
+                Err(e) if std::time::Instant::now() > deadline => {
+                    panic!("RemoveContainer: {e:?}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await, // retry interval
+            }
+        }
     }
 
     async fn stop(mut self) {
