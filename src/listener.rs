@@ -16,6 +16,8 @@ pub enum ListenError {
         "{0} is in use: another process (another imgbridge?) answers on it; stop it or choose another --listen path"
     )]
     InUse(PathBuf),
+    #[error("{0} exists and is not a socket (a {1}); imgbridge replaces only a stale socket: move it away or choose another --listen path")]
+    NotSocket(PathBuf, &'static str),
     #[error("cannot remove stale socket {path}: {source}")]
     Stale {
         path: PathBuf,
@@ -63,7 +65,18 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
             source,
         })?;
     }
-    if std::fs::symlink_metadata(path).is_ok() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if !t.is_socket() {
+            let what = match () {
+                _ if t.is_symlink() => "symlink",
+                _ if t.is_dir() => "directory",
+                _ if t.is_file() => "regular file",
+                _ => "special file",
+            };
+            return Err(ListenError::NotSocket(path.into(), what));
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(ListenError::InUse(path.into()));
         }
@@ -139,6 +152,25 @@ fn apply_perms(path: &Path, perms: SocketPerms) -> Result<(), ListenError> {
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
+
+    #[tokio::test]
+    async fn a_file_that_is_not_a_socket_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("imgbridge.sock");
+        std::fs::write(&p, b"precious").unwrap();
+        let e = bind(&p, SocketPerms::default()).unwrap_err();
+        assert!(
+            matches!(e, ListenError::NotSocket(_, "regular file")),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&p).unwrap(), b"precious");
+        let d = dir.path().join("d");
+        std::fs::create_dir(&d).unwrap();
+        assert!(matches!(
+            bind(&d, SocketPerms::default()),
+            Err(ListenError::NotSocket(_, "directory"))
+        ));
+    }
 
     #[tokio::test]
     async fn stale_replaced_live_refused_mode_set() {

@@ -113,6 +113,10 @@ pub enum SpliceError {
     Continuations(Side),
     #[error("{0}: {1}")]
     Settings(Side, String),
+    /// A frame over the SETTINGS_MAX_FRAME_SIZE its receiver allows: the
+    /// receiver would end the connection, and the fault is the sender's.
+    #[error("{0} sent a frame of {1} bytes, over the {2} the other side allows (SETTINGS_MAX_FRAME_SIZE)")]
+    FrameTooLarge(Side, usize, usize),
     /// The HPACK mirror of the client's encoder cannot decode a request
     /// block: which method it calls is unknown, so the connection is closed.
     #[error("the client's header block does not decode against imgbridge's copy of its HPACK table (the copy diverged, or the block is malformed): {0}")]

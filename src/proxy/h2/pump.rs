@@ -161,6 +161,10 @@ impl Pump {
                 return Ok(());
             }
             let head = Head::parse(&self.buf[self.scan..]);
+            let limit = st.frame_limit(self.from);
+            if head.len > limit {
+                return Err(SpliceError::FrameTooLarge(self.from, head.len, limit));
+            }
             if self.block.is_some() && head.kind != frame::CONTINUATION {
                 return Err(SpliceError::Malformed(
                     self.from,
@@ -411,4 +415,34 @@ impl Pump {
 pub(super) enum Verdict {
     Forward,
     Swallow,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::{frame, Side, SpliceError};
+    use std::sync::Arc;
+    use tokio::io::AsyncWriteExt;
+    use tokio::sync::Notify;
+
+    /// A frame over the SETTINGS_MAX_FRAME_SIZE containerd allows (the
+    /// initial 16 384; grpc-go sends none) is the client's fault: named as
+    /// such, never as containerd closing the connection.
+    #[tokio::test]
+    async fn a_frame_over_the_negotiated_size_blames_its_sender() {
+        let rules = Rules::new(false, false, Arc::new(Notify::new()));
+        let (mut client, _server, task) = start(rules);
+        let mut sent = frame::PREFACE.to_vec();
+        sent.extend(frame(frame::SETTINGS, 0, 0, &[]));
+        sent.extend(frame(frame::DATA, 0, 1, &vec![0; 16_385]));
+        client.write_all(&sent).await.unwrap();
+        let r = task.await.unwrap();
+        assert!(
+            matches!(
+                r,
+                Err(SpliceError::FrameTooLarge(Side::Client, 16_385, 16_384))
+            ),
+            "{r:?}"
+        );
+    }
 }

@@ -6,6 +6,10 @@ use std::collections::VecDeque;
 
 /// SETTINGS_HEADER_TABLE_SIZE.
 const HEADER_TABLE_SIZE: u16 = 0x1;
+/// SETTINGS_MAX_FRAME_SIZE.
+const MAX_FRAME_SIZE: u16 = 0x5;
+/// The protocol's initial SETTINGS_MAX_FRAME_SIZE (RFC 9113 §6.5.2).
+pub(super) const INITIAL_FRAME: u32 = 16_384;
 /// The protocol's initial SETTINGS_HEADER_TABLE_SIZE (RFC 9113 §6.5.2).
 const INITIAL_TABLE: u32 = 4096;
 /// SETTINGS frames a peer may have outstanding (sent, not yet acknowledged)
@@ -18,9 +22,11 @@ const MAX_UNACKED: usize = 1024;
 pub(super) struct Advertised {
     /// SETTINGS_HEADER_TABLE_SIZE the sender has acknowledged.
     table_acked: u32,
-    /// Per SETTINGS frame not yet acknowledged, in order: the table size it
-    /// set, if it set one.
-    pending: VecDeque<Option<u32>>,
+    /// SETTINGS_MAX_FRAME_SIZE the sender has acknowledged.
+    frame_acked: u32,
+    /// Per SETTINGS frame not yet acknowledged, in order: the table size
+    /// and the frame size it set, if it set them.
+    pending: VecDeque<(Option<u32>, Option<u32>)>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -31,6 +37,7 @@ impl Default for Advertised {
     fn default() -> Self {
         Advertised {
             table_acked: INITIAL_TABLE,
+            frame_acked: INITIAL_FRAME,
             pending: VecDeque::new(),
         }
     }
@@ -45,18 +52,22 @@ impl Advertised {
             return Err(SettingsFlood);
         }
         // The last value for an id is the one that counts (§6.5).
-        let table = (payload.chunks_exact(6))
-            .rfind(|e| u16::from_be_bytes([e[0], e[1]]) == HEADER_TABLE_SIZE)
-            .map(|e| u32::from_be_bytes([e[2], e[3], e[4], e[5]]));
-        self.pending.push_back(table);
+        let last = |id| {
+            (payload.chunks_exact(6))
+                .rfind(|e| u16::from_be_bytes([e[0], e[1]]) == id)
+                .map(|e| u32::from_be_bytes([e[2], e[3], e[4], e[5]]))
+        };
+        self.pending
+            .push_back((last(HEADER_TABLE_SIZE), last(MAX_FRAME_SIZE)));
         Ok(())
     }
 
     /// The sender acknowledged the oldest outstanding SETTINGS frame. An
     /// ACK with nothing outstanding is the receiver's to reject.
     pub(super) fn acked(&mut self) {
-        if let Some(Some(table)) = self.pending.pop_front() {
-            self.table_acked = table;
+        if let Some((table, frame)) = self.pending.pop_front() {
+            self.table_acked = table.unwrap_or(self.table_acked);
+            self.frame_acked = frame.unwrap_or(self.frame_acked);
         }
     }
 
@@ -64,8 +75,15 @@ impl Advertised {
     /// value it acknowledged, or a larger one it was sent and may be using
     /// already (RFC 9113 §6.5.3 lets it apply a setting before its ACK).
     pub(super) fn table_limit(&self) -> usize {
-        let pending = self.pending.iter().flatten().copied();
+        let pending = self.pending.iter().filter_map(|p| p.0);
         pending.fold(self.table_acked, u32::max) as usize
+    }
+
+    /// The largest frame payload the sender may send now (acknowledged, or
+    /// a larger one it was sent), as for [`Advertised::table_limit`].
+    pub(super) fn frame_limit(&self) -> usize {
+        let pending = self.pending.iter().filter_map(|p| p.1);
+        pending.fold(self.frame_acked, u32::max) as usize
     }
 }
 
@@ -96,6 +114,19 @@ mod tests {
         a.acked(); // a frame that did not set it
         a.acked(); // nothing outstanding
         assert_eq!(a.table_limit(), 0);
+    }
+
+    #[test]
+    fn the_frame_limit_follows_settings_and_their_acks() {
+        let mut a = Advertised::default();
+        assert_eq!(a.frame_limit(), 16_384);
+        a.sent(&entry(MAX_FRAME_SIZE, 1 << 20)).unwrap();
+        assert_eq!(a.frame_limit(), 1 << 20, "usable before its ACK");
+        a.acked();
+        assert_eq!(a.frame_limit(), 1 << 20);
+        a.sent(&entry(HEADER_TABLE_SIZE, 0)).unwrap();
+        a.acked();
+        assert_eq!(a.frame_limit(), 1 << 20, "other settings leave it");
     }
 
     #[test]

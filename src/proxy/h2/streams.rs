@@ -184,6 +184,15 @@ impl State {
         }
     }
 
+    /// The largest frame `from` may send: what the other side's SETTINGS
+    /// allow.
+    pub(super) fn frame_limit(&self, from: Side) -> usize {
+        match from {
+            Side::Client => self.server_settings.frame_limit(),
+            Side::Containerd => self.client_settings.frame_limit(),
+        }
+    }
+
     /// Whether a frame must be in the buffer whole before it is classified.
     pub(super) fn whole(&self, from: Side, head: &Head) -> bool {
         match head.kind {
