@@ -256,6 +256,21 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
     std::process::exit(1);
 }
 
+/// Every proxied connection costs two descriptors (client and containerd):
+/// the soft limit (often 1024) would cap imgbridge at ~500 clients while the
+/// hard limit allows far more, so it is raised to the hard limit.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-file limit"),
+            Err(e) => tracing::warn!(soft, hard, error = %e, "could not raise the open-file limit"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "could not read the open-file limit"),
+    }
+}
+
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let mut c = a.common.load()?;
     if let Some(l) = a.listen {
@@ -288,6 +303,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     imgbridge::ops::logging::init(&c.log)?;
+    raise_fd_limit();
     // Before any thread starts: this reads and clears LISTEN_* variables.
     let activated = imgbridge::ops::activation::from_env()?;
     let rt = tokio::runtime::Builder::new_multi_thread()

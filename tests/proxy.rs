@@ -905,3 +905,47 @@ async fn interception_hook_runs_and_failing_hook_gives_clean_error() {
     stop.cancel();
     server.await.unwrap().unwrap();
 }
+
+/// Out of descriptors is imgbridge's own limit: said as such (never blamed
+/// on containerd), open connections keep being served, and new ones are
+/// accepted again once descriptors are free.
+#[tokio::test]
+async fn out_of_file_descriptors_is_reported_as_such_and_recovers() {
+    let (c, p) = Scenario::plain().start();
+    // A live connection from before the limit bites.
+    let mut kept = images_client(p.socket()).await;
+    let limit = Command::new("prlimit")
+        .args(["--nofile=48:48", "--pid", &p.pid().to_string()])
+        .status()
+        .expect("prlimit (util-linux)");
+    assert!(limit.success());
+    let flood: Vec<std::os::unix::net::UnixStream> = (0..80)
+        .filter_map(|_| std::os::unix::net::UnixStream::connect(p.socket()).ok())
+        .collect();
+    let said = poll(Duration::from_secs(10), || {
+        p.log().contains("out of file descriptors").then_some(())
+    });
+    assert!(said.is_some(), "EMFILE not reported:\n{}", p.log_tail());
+    assert!(
+        !p.log().contains("containerd unavailable"),
+        "containerd blamed for imgbridge's own limit:\n{}",
+        p.log_tail()
+    );
+    kept.list(with_ns(api::ListImagesRequest::default(), "default"))
+        .await
+        .expect("an open connection keeps being served");
+    drop(flood);
+    let back = poll_async(Duration::from_secs(10), || async {
+        let mut fresh = try_containerd_channel(p.socket()).await.ok()?;
+        let _ = &mut fresh;
+        let mut v = containerd_client::services::v1::version_client::VersionClient::new(fresh);
+        v.version(()).await.ok().map(|_| ())
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "no new connection served after the flood:\n{}",
+        p.log_tail()
+    );
+    drop(c);
+}

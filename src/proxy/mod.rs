@@ -111,8 +111,16 @@ pub async fn serve(
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((s, _)) => { accept_errors = 0; s }
+                Err(e) if out_of_fds(&e) => {
+                    // Our own limit, not a broken socket: pause accepting
+                    // (connections already open keep being served) and say
+                    // so once per pause, never fail for it.
+                    tracing::warn!(error = %e, "imgbridge is out of file descriptors: not accepting for 100 ms (open connections are served); raise LimitNOFILE or find who holds so many connections");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning, keep serving.
+                    // Anything else: back off instead of spinning, keep serving.
                     accept_errors += 1;
                     tracing::warn!(error = %e, "accept failed");
                     if accept_errors > 1000 {
@@ -155,6 +163,12 @@ pub async fn serve(
                     }
                     return;
                 }
+                Err(e) if out_of_fds(&e) => {
+                    // Our limit, not containerd's fault: the client is
+                    // dropped (it retries), containerd is not blamed.
+                    tracing::warn!(peer = %peer, error = %e, "imgbridge is out of file descriptors: closing this connection without reaching containerd; raise LimitNOFILE");
+                    return;
+                }
                 Err(e) => e,
             };
             unavailable(stream, &builder, &ctx, &error, &drain, &peer).await;
@@ -173,6 +187,11 @@ pub async fn serve(
     }
     shards.stop().await;
     Ok(())
+}
+
+/// EMFILE / ENFILE: this process (or the system) has no descriptor left.
+fn out_of_fds(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 /// Serves a client while containerd is down: every call is answered
