@@ -1,0 +1,161 @@
+//! The delete policy: what happens to replicas when their source image is
+//! deleted through imgbridge, or was deleted while nobody watched.
+
+use super::*;
+
+impl Replicator {
+    /// Applies `delete_policy` to the replicas of `name` deleted in `source`.
+    pub async fn on_delete(&self, source: &str, name: &str) -> Result<(), Error> {
+        let Ok(parsed) = Reference::parse(name) else {
+            return Ok(());
+        };
+        let target_name = parsed.to_string();
+        for target in &self.s.targets {
+            let _g = self.locks.lock(format!("{target}\0{target_name}")).await;
+            let err = |cause| Error::Containerd {
+                image: name.into(),
+                source_ns: source.into(),
+                target: target.clone(),
+                cause,
+            };
+            // nerdctl tag is Delete then Create: a late event must not undo
+            // the re-created image.
+            if self.c.get_image(source, name).await.map_err(err)?.is_some() {
+                continue;
+            }
+            let Some(img) = self.c.get_image(target, &target_name).await.map_err(err)? else {
+                continue;
+            };
+            let mut records = vec![img.clone()];
+            if let (true, Some(t)) = (self.s.digest_refs, &img.target) {
+                // The digest record goes with the last tag of its repository.
+                let same_digest = self
+                    .c
+                    .list_images(source, vec![format!("target.digest=={}", t.digest)])
+                    .await
+                    .map_err(err)?;
+                let shared = same_digest
+                    .iter()
+                    .any(|i| Reference::parse(&i.name).is_ok_and(|r| r.name() == parsed.name()));
+                let dref = parsed.with_digest(&t.digest);
+                if !shared {
+                    records.extend(self.c.get_image(target, &dref).await.map_err(err)?);
+                }
+            }
+            for rec in records {
+                self.apply_delete_policy(source, target, rec)
+                    .await
+                    .map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies `delete_policy` to every replica of `source` whose source
+    /// image is gone: deletes that happened while imgbridge or containerd
+    /// was down, or whose policy write failed (a crash in between), still
+    /// end as the policy says. Idempotent: an already unpinned replica costs
+    /// no write. Returns the replicas the policy was applied to.
+    pub async fn converge_deletes(&self, source: &str) -> Result<usize, Error> {
+        let err = |target: &str, cause| Error::Containerd {
+            image: "*".into(),
+            source_ns: source.into(),
+            target: target.into(),
+            cause,
+        };
+        let live = self.replica_names(source).await.map_err(|e| err("*", e))?;
+        let mut applied = 0;
+        for target in &self.s.targets {
+            let filter = format!("labels.\"{SOURCE}\"==\"{source}\"");
+            let replicas = self
+                .c
+                .list_images(target, vec![filter])
+                .await
+                .map_err(|e| err(target, e))?;
+            for r in replicas {
+                if live.contains(&r.name) || !self.owes_policy(&r) {
+                    continue;
+                }
+                let _g = self.locks.lock(format!("{target}\0{}", r.name)).await;
+                // A write may have brought the source back meanwhile.
+                if self
+                    .replica_names(source)
+                    .await
+                    .map_err(|e| err(target, e))?
+                    .contains(&r.name)
+                {
+                    continue;
+                }
+                let Some(current) = self
+                    .c
+                    .get_image(target, &r.name)
+                    .await
+                    .map_err(|e| err(target, e))?
+                else {
+                    continue;
+                };
+                tracing::info!(image = %r.name, source, target, "source image is gone; applying delete_policy in the catch-up pass");
+                self.apply_delete_policy(source, target, current)
+                    .await
+                    .map_err(|e| err(target, e))?;
+                applied += 1;
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Whether `delete_policy` would still change replica `r`.
+    fn owes_policy(&self, r: &Image) -> bool {
+        match self.s.delete_policy {
+            DeletePolicy::Keep => false,
+            DeletePolicy::Delete => true,
+            DeletePolicy::Unpin => pin_owner(&r.labels) == PinOwner::Replication,
+        }
+    }
+
+    /// The replica names (tags and, with `digest_refs`, digest records) the
+    /// images now in `source` map to.
+    async fn replica_names(
+        &self,
+        source: &str,
+    ) -> Result<std::collections::HashSet<String>, ctrd::Error> {
+        let mut names = std::collections::HashSet::new();
+        for img in self.c.list_images(source, Vec::new()).await? {
+            let Ok(parsed) = Reference::parse(&img.name) else {
+                continue;
+            };
+            names.insert(parsed.to_string());
+            if let (true, None, Some(t)) = (self.s.digest_refs, &parsed.digest, &img.target) {
+                names.insert(parsed.with_digest(&t.digest));
+            }
+        }
+        Ok(names)
+    }
+
+    /// Unpins, deletes or keeps one replica record, never one we did not write.
+    async fn apply_delete_policy(
+        &self,
+        source: &str,
+        target: &str,
+        img: Image,
+    ) -> Result<(), ctrd::Error> {
+        if img.labels.get(SOURCE).map(String::as_str) != Some(source) {
+            return Ok(()); // not ours: never touched
+        }
+        match self.s.delete_policy {
+            DeletePolicy::Keep => {}
+            DeletePolicy::Delete => {
+                self.c.delete_image(target, &img.name, false).await?;
+                tracing::info!(image = %img.name, source, target, "deleted replica (delete_policy = delete)");
+            }
+            DeletePolicy::Unpin => {
+                if pin_owner(&img.labels) == PinOwner::Replication {
+                    let unpin = HashMap::from([(PINNED.to_string(), String::new())]);
+                    self.c.update_image_labels(target, &img.name, unpin).await?;
+                    tracing::info!(image = %img.name, source, target, "unpinned replica (delete_policy = unpin)");
+                }
+            }
+        }
+        Ok(())
+    }
+}
