@@ -93,6 +93,16 @@ impl Build {
         desc(MANIFEST, &self.manifest)
     }
 
+    /// What buildkit's exporter does before the layers: config and manifest
+    /// through `sock`, then the image named (the layers are absent).
+    async fn export_record(&self, sock: &Path, name: &str) {
+        write(sock, &self.config, &[]).await.unwrap();
+        write(sock, &self.manifest, &self.manifest_labels())
+            .await
+            .unwrap();
+        name_image(sock, name, &self.target()).await;
+    }
+
     /// The gc.ref labels buildkit puts on the manifest it writes.
     fn manifest_labels(&self) -> Vec<(String, String)> {
         let mut l = vec![(
@@ -367,11 +377,7 @@ async fn exporter_rounds(isolated: bool, rounds: usize, run_every: usize) {
         let text = format!("lazy-{n}-{}", unique_name("x"));
         let b = Build::new(&busybox, &text);
         // Config and manifest first, then the record: the layers are absent.
-        write(p.socket(), &b.config, &[]).await.unwrap();
-        write(p.socket(), &b.manifest, &b.manifest_labels())
-            .await
-            .unwrap();
-        name_image(p.socket(), name, &b.target()).await;
+        b.export_record(p.socket(), name).await;
         // Unlazy: the layers, concurrently (buildkit's errgroup).
         let writes = b.layers.iter().map(|l| write(p.socket(), l, &[]));
         for r in futures_util::future::join_all(writes).await {
@@ -423,11 +429,7 @@ async fn already_existing_layer_is_in_the_target_when_the_write_says_so() {
     for n in 0..10 {
         let text = format!("exists-{n}-{}", unique_name("x"));
         let b = Build::new(&busybox, &text);
-        write(p.socket(), &b.config, &[]).await.unwrap();
-        write(p.socket(), &b.manifest, &b.manifest_labels())
-            .await
-            .unwrap();
-        name_image(p.socket(), name, &b.target()).await;
+        b.export_record(p.socket(), name).await;
         // Behind imgbridge's back, then through it.
         for l in &b.layers {
             write(c.socket(), l, &[]).await.unwrap();
@@ -456,11 +458,7 @@ async fn write_resumed_on_another_connection_links_before_its_commit_returns() {
     let mut sandbox = Sandbox::start(c.socket()).await;
     let text = format!("resumed-{}", unique_name("x"));
     let b = Build::new(&busybox, &text);
-    write(p.socket(), &b.config, &[]).await.unwrap();
-    write(p.socket(), &b.manifest, &b.manifest_labels())
-        .await
-        .unwrap();
-    name_image(p.socket(), name, &b.target()).await;
+    b.export_record(p.socket(), name).await;
     for l in &b.layers {
         resume_write(p.socket(), l).await;
     }
