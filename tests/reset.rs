@@ -91,12 +91,20 @@ async fn creates_reset_after_sending_still_replicate_within_a_second() {
     let took = reset_at.elapsed();
     let there = names(c.socket(), K8S, prefix).await;
     let missing: Vec<_> = created.iter().filter(|n| !there.contains(n)).collect();
+    let log = p.log();
+    let about: Vec<&str> = (log.lines())
+        .filter(|l| {
+            missing
+                .iter()
+                .any(|m| l.contains(m.trim_start_matches("docker.io/library/")))
+        })
+        .collect();
     assert!(
         replicated.is_some() && took < Duration::from_millis(1500),
         "{} of {} reset Creates containerd carried out are not in {K8S} after {took:?}: {missing:?}\n{}",
         missing.len(),
         created.len(),
-        p.log_tail()
+        about.join("\n")
     );
     eprintln!(
         "{} of 200 reset Creates carried out; all in {K8S} {took:?} after the resets",

@@ -78,6 +78,10 @@ impl Drop for Waiter<'_> {
         self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
+/// Reset writes followed at once: each costs one Images.Get per 250 ms
+/// for up to 3 s.
+const ABANDONED_FOLLOWED: usize = 256;
+
 /// Leases outlive any replication; containerd's GC drops them if we crash.
 const LEASE_TTL: Duration = Duration::from_secs(3600);
 
@@ -232,6 +236,8 @@ pub struct Replicator {
     /// One walk per (source, target, tree) at a time, and its result.
     walk_locks: locks::KeyedLocks,
     walked: std::sync::Mutex<HashMap<String, std::sync::Weak<Walked>>>,
+    /// Bounds the reset writes followed at once ([`Self::on_abandoned`]).
+    abandoned: Arc<tokio::sync::Semaphore>,
     /// Replications waiting for CRI right now (spreads their polls).
     cri_waiters: std::sync::atomic::AtomicUsize,
     pending: pending::Pending,
@@ -281,6 +287,7 @@ impl Replicator {
             walk_locks: locks::KeyedLocks::default(),
             walked: Default::default(),
             cri_waiters: Default::default(),
+            abandoned: Arc::new(tokio::sync::Semaphore::new(ABANDONED_FOLLOWED)),
             pending: pending::Pending::default(),
             nodes: Default::default(),
             cri: OnceCell::new(),
@@ -914,15 +921,24 @@ impl Replicator {
 
     /// A client reset its write of `name` after containerd got it
     /// (containerd may or may not carry it out): replicate it once it is
-    /// there, looking a few times over about a second and a half. Later
-    /// writes are the events backstop's.
+    /// there, looking for up to 3 s. Later writes are the events backstop's.
     pub fn on_abandoned(self: &Arc<Self>, source: &str, name: &str) {
+        // Bounded: a hooked Rapid Reset must not turn into as many pollers;
+        // past the bound the events backstop catches what was carried out.
+        let Ok(permit) = self.abandoned.clone().try_acquire_owned() else {
+            tracing::debug!(image = ?name, source, "too many reset writes being followed; leaving this one to the events backstop");
+            return;
+        };
         let (me, source, name) = (self.clone(), source.to_string(), name.to_string());
         let task = async move {
+            let _permit = permit;
+            // containerd may commit a reset call late when it is busy:
+            // look for up to 3 s, every 250 ms at most.
+            let deadline = Instant::now() + Duration::from_secs(3);
             let mut delay = Duration::from_millis(20);
-            for _ in 0..6 {
+            while Instant::now() < deadline {
                 tokio::time::sleep(delay).await;
-                delay *= 2;
+                delay = (delay * 2).min(Duration::from_millis(250));
                 if !matches!(me.c.get_image(&source, &name).await, Ok(Some(_))) {
                     continue;
                 }

@@ -211,16 +211,15 @@ impl Held {
         self.reply.reset = Some(frame);
     }
 
-    /// The client reset the call: if its whole request reached containerd
-    /// (nothing parked), the hook's work for an abandoned call, to run
-    /// detached: containerd may still carry the call out.
+    /// The client reset the call: if its whole request message reached
+    /// containerd (nothing parked), the hook's work for an abandoned call,
+    /// to run detached: containerd may still carry the call out.
     pub(super) fn abandon(self) -> Option<crate::proxy::intercept::WatchFuture> {
-        if !self.request_done {
-            return None;
-        }
         let CallState::Collecting { hook: Some(hook) } = self.state else {
             return None;
         };
+        // The whole message went to containerd (grpc-go acts on it before
+        // the client's END_STREAM, which a reset may never send).
         let msg = grpc::unary_message(&self.request.freeze()).ok()?;
         hook.abandoned(msg)
     }
@@ -352,6 +351,22 @@ impl Held {
 fn encode(out: &mut BytesMut, fields: &[(Bytes, Bytes)]) {
     for (n, v) in fields {
         hpack::encode_field(out, n, v);
+    }
+}
+
+/// The connection ended (client gone, or broken) with held calls whose
+/// request containerd has whole: it may still carry them out, so they are
+/// followed detached, as when the client resets one.
+impl Drop for State {
+    fn drop(&mut self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for (_, call) in self.calls.drain() {
+            if let Some(work) = call.held.and_then(|h| h.abandon()) {
+                rt.spawn(work);
+            }
+        }
     }
 }
 
