@@ -914,6 +914,9 @@ async fn out_of_file_descriptors_is_reported_as_such_and_recovers() {
     let (c, p) = Scenario::plain().start();
     // A live connection from before the limit bites.
     let mut kept = images_client(p.socket()).await;
+    kept.list(with_ns(api::ListImagesRequest::default(), "default"))
+        .await
+        .expect("served before the limit");
     let limit = Command::new("prlimit")
         .args(["--nofile=48:48", "--pid", &p.pid().to_string()])
         .status()
