@@ -486,9 +486,7 @@ mod tests {
             let (h, _) = read_frame(&mut client).await;
             assert_eq!((h.kind, h.stream), (kind, 3), "nothing more on stream 1");
         }
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
-        assert!(rest.is_empty(), "{rest:?}");
+        nothing_more(&mut client).await;
         drop(client);
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -499,8 +497,8 @@ mod tests {
 
     /// A subscription that has had replies ends with trailers (no second
     /// `:status`), and the drained connection closes right after.
-    #[tokio::test]
-    async fn drain_ends_a_streaming_subscription_with_trailers() {
+    /// A splice with a drain token and an open (relayed) event subscription.
+    async fn subscribed() -> (CancellationToken, UnixStream, UnixStream, Task) {
         let drain = CancellationToken::new();
         let rules = Rules::new(false, false, Arc::new(Notify::new()));
         let (mut client, mut server, task) = start_with(rules, drain.clone());
@@ -508,6 +506,19 @@ mod tests {
         sent.extend(request(1, SUBSCRIBE));
         sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        (drain, client, server, task)
+    }
+
+    /// The client reads to the end and gets nothing more.
+    async fn nothing_more(client: &mut UnixStream) {
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+    }
+
+    #[tokio::test]
+    async fn drain_ends_a_streaming_subscription_with_trailers() {
+        let (drain, mut client, mut server, task) = subscribed().await;
         let mut event = frame(
             frame::HEADERS,
             frame::END_HEADERS,
@@ -531,9 +542,7 @@ mod tests {
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
         assert_eq!((h.kind, h.stream), (frame::RST_STREAM, 1));
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
-        assert!(rest.is_empty(), "{rest:?}");
+        nothing_more(&mut client).await;
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
             .expect("splice ends without waiting for the subscription")
@@ -545,13 +554,7 @@ mod tests {
     /// half read: it is ended once the block is through, with trailers.
     #[tokio::test]
     async fn drain_during_a_split_reply_block_ends_the_subscription_after_it() {
-        let drain = CancellationToken::new();
-        let rules = Rules::new(false, false, Arc::new(Notify::new()));
-        let (mut client, mut server, task) = start_with(rules, drain.clone());
-        let mut sent = frame::PREFACE.to_vec();
-        sent.extend(request(1, SUBSCRIBE));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
-        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let (drain, mut client, mut server, task) = subscribed().await;
         let b = block(&[(":status", "200"), ("content-type", "application/grpc")]);
         let (first, second) = b.split_at(3);
         let head = frame(frame::HEADERS, 0, 1, first);
@@ -624,9 +627,7 @@ mod tests {
         // Our side is closed, yet the client may still write (a window
         // update for the reply it read) without EPIPE; its hang-up ends
         // the splice well before the linger time.
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
-        assert!(rest.is_empty(), "{rest:?}");
+        nothing_more(&mut client).await;
         client
             .write_all(&frame(frame::WINDOW_UPDATE, 0, 0, &[0, 0, 0, 9]))
             .await
