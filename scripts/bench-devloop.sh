@@ -414,6 +414,8 @@ root = "$d/root"
   namespace = "$ns"
   snapshotter = "$snap"
   gc = false
+[otel]
+  socketPath = "$d/otel-grpc.sock"
 EOF
   if [ -n "$REG" ]; then
     printf '[registry."%s"]\n  http = true\n  insecure = true\n' "$REG" >>"$d/buildkitd.toml"

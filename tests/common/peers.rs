@@ -285,8 +285,11 @@ impl Buildkitd {
   namespace = "{namespace}"
   snapshotter = "{snap}"
   gc = false
+[otel]
+  socketPath = "{otel}"
 "#,
             root = d.join("root").display(),
+            otel = d.join("otel-grpc.sock").display(),
             containerd = containerd.display(),
             snap = snapshotter(),
         );
