@@ -367,6 +367,8 @@ fi
 if want c; then
   cr=$(get c.burst_ratio)
   row "C $C_COUNT concurrent Creates: total (ms)" "$(fmt "$(get c.burst_direct_ms)")" "$(fmt "$(get c.burst_proxy_ms)")" "$cr" "ratio <= 2" "$(met "$cr" '<=' 2)" "$(bl "")"
+  row "C   floor: 2 records/name + CRI resolves (ms)" "-" "$(fmt "$(get c.burst_floor_ms)")" "$(get c.burst_floor_ratio)" "(reference)" "-" "$(bl "")"
+  row "C   imgbridge vs that floor" "-" "-" "$(get c.burst_ratio_vs_floor)" "(reference)" "-" "$(bl "")"
   cf=$(get c.burst_proxy_failed)
   row "C   failed calls (direct / proxied)" "$(get c.burst_direct_failed)" "$cf" "-" "0 proxied" "$(met "$cf" '<=' 0)" "$(bl "")"
 fi

@@ -443,13 +443,11 @@ impl Replicator {
             names.push(parsed.with_digest(&root.digest));
         }
         let started = Instant::now();
-        // The target's current records are read while the tree is walked:
+        // The target's current record is read while the tree is walked:
         // both are reads, and the lock keeps our own writers out.
-        let existing =
-            futures_util::future::try_join_all(names.iter().map(|n| self.c.get_image(target, n)));
         let (walk, existing) = tokio::join!(
             self.walk_shared(source, target, &image.name, &root),
-            existing
+            self.c.get_image(target, &names[0])
         );
         let ((tree, shared), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
             Ok(v) => v,
@@ -464,26 +462,26 @@ impl Replicator {
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
         // event first; the digest ref and the lease release overlap the wait.
-        let mut existing = existing.into_iter();
         let tag = self
-            .put_record(
-                source,
-                target,
-                &names[0],
-                &image,
-                &root,
-                existing.next().flatten(),
-            )
+            .put_record(source, target, &names[0], &image, &root, existing)
             .await;
         let recorded = started.elapsed();
         outcome.writes += tag.map_err(err)?;
         let confirm = target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0);
-        let rest = futures_util::future::join_all(
-            names[1..]
-                .iter()
-                .zip(existing)
-                .map(|(n, e)| self.put_record(source, target, n, &image, &root, e)),
-        );
+        // The digest ref is one record for every name of the tree: a burst
+        // of names for one image would otherwise write it once per name
+        // (each a bolt transaction with an fsync, one at a time), so its
+        // writers take turns and each reads it again under the lock.
+        let rest = futures_util::future::join_all(names[1..].iter().map(|n| {
+            let image = &image;
+            let root = &root;
+            async move {
+                let _guard = self.locks.lock(format!("{target}\0{n}")).await;
+                let existing = self.c.get_image(target, n).await?;
+                self.put_record(source, target, n, image, root, existing)
+                    .await
+            }
+        }));
         let (rest, polls) = tokio::join!(rest, async {
             if confirm {
                 self.wait_cri(target, &target_name, configs).await

@@ -324,40 +324,7 @@ impl State {
                 if payload.len() != 4 {
                     return Err(malformed(from, "RST_STREAM is not 4 bytes"));
                 }
-                let call = self.calls.get_mut(&head.stream);
-                if from == Side::Containerd && call.as_ref().is_some_and(|c| c.refused) {
-                    // The client has its answer for this stream already.
-                    self.calls.remove(&head.stream);
-                    return Ok(Verdict::Swallow);
-                }
-                if from == Side::Containerd {
-                    let w = call.and_then(|c| c.watch.as_mut());
-                    if let Some(Step::Kept) = w.map(|w| w.reply_reset(frame)) {
-                        return Ok(Verdict::Swallow);
-                    }
-                }
-                let call = self.calls.get_mut(&head.stream);
-                if let Some(held) = call.and_then(|c| c.held.as_mut()) {
-                    if from == Side::Containerd && held.reply_done() {
-                        // grpc-go resets (NO_ERROR) a stream it has answered
-                        // before the client's END_STREAM: it follows the reply.
-                        held.reset_after_reply(Bytes::copy_from_slice(frame));
-                        return Ok(Verdict::Swallow);
-                    }
-                }
-                if let Some(call) = self.calls.remove(&head.stream) {
-                    if let Some(held) = call.held {
-                        held.credit_back(out);
-                        if from == Side::Client {
-                            if let Some(work) = held.abandon() {
-                                tokio::spawn(work);
-                            }
-                        }
-                    } else if let Some(w) = call.watch {
-                        out.up.extend(frame::window_update(0, w.kept_credit()));
-                    }
-                }
-                Ok(Verdict::Forward)
+                Ok(self.reset(from, head.stream, frame, out))
             }
             frame::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
             frame::SETTINGS if head.stream == 0 => {
@@ -655,6 +622,41 @@ impl State {
             out.down.push_back(frame);
         }
         Ok(())
+    }
+
+    /// RST_STREAM on `stream`: what it ends, and whether it goes on.
+    fn reset(&mut self, from: Side, stream: u32, frame: &[u8], out: Out<'_>) -> Verdict {
+        if from == Side::Containerd {
+            if let Some(call) = self.calls.get_mut(&stream) {
+                if call.refused {
+                    // The client has its answer for this stream already.
+                    self.calls.remove(&stream);
+                    return Verdict::Swallow;
+                }
+                if let Some(Step::Kept) = call.watch.as_mut().map(|w| w.reply_reset(frame)) {
+                    return Verdict::Swallow;
+                }
+                if let Some(held) = call.held.as_mut().filter(|h| h.reply_done()) {
+                    // grpc-go resets (NO_ERROR) a stream it has answered
+                    // before the client's END_STREAM: it follows the reply.
+                    held.reset_after_reply(Bytes::copy_from_slice(frame));
+                    return Verdict::Swallow;
+                }
+            }
+        }
+        if let Some(call) = self.calls.remove(&stream) {
+            if let Some(held) = call.held {
+                held.credit_back(out);
+                if from == Side::Client {
+                    if let Some(work) = held.abandon() {
+                        tokio::spawn(work);
+                    }
+                }
+            } else if let Some(w) = call.watch {
+                out.up.extend(frame::window_update(0, w.kept_credit()));
+            }
+        }
+        Verdict::Forward
     }
 
     /// DATA of a refused or held call (any other passes without a look).

@@ -57,7 +57,10 @@ impl Messages {
     /// Walks `data`; `on` sees each message's first `max` bytes (or all of
     /// a shorter message) once they are in.
     fn feed(&mut self, mut data: &[u8], max: usize, mut on: impl FnMut(MessageHead<'_>)) {
-        while !data.is_empty() || (self.have == 5 && !self.shown && self.head.len() == self.want) {
+        // A message is shown in the pass that completes its head, so an
+        // empty message whose prefix ends `data` is shown before the loop
+        // ends: nothing is left to do once `data` is used up.
+        while !data.is_empty() {
             if self.have < 5 {
                 let n = (5 - self.have).min(data.len());
                 self.prefix[self.have..self.have + n].copy_from_slice(&data[..n]);
