@@ -2,7 +2,8 @@
 //! frame by frame.
 //!
 //! The two peers speak HTTP/2 to each other through the splice. SETTINGS,
-//! PING, GOAWAY and flow control pass end to end untouched, and DATA goes out
+//! PING (all but one case: [`ping`]), GOAWAY and flow control pass end to
+//! end untouched, and DATA goes out
 //! straight from the read buffer, so a call costs about what a byte relay
 //! costs (a full HTTP/2 server plus client per hop cost +80 µs a call, and a
 //! quarter of read throughput: see README, Performance). The splice reads
@@ -27,13 +28,16 @@
 //! - `pump`: one direction's bytes: read buffer → whole frames → write queue;
 //! - `conn`: the connection loop: both pumps, hooks, drain, containerd lost;
 //! - `streams`: per-stream tracking, header blocks, DATA of refused calls;
-//! - `held`: the life of an intercepted call (`held::CallState`).
+//! - `held`: the life of an intercepted call (`held::CallState`);
+//! - `ping`: the client PINGs the splice answers itself (those a released
+//!   held reply causes, which containerd would count against the client).
 
 pub mod frame;
 pub mod hpack;
 
 mod conn;
 mod held;
+mod ping;
 mod pump;
 mod settings;
 mod streams;
