@@ -142,7 +142,9 @@ impl BdpClient {
             let read = tokio::time::timeout(Duration::from_secs(120), self.frame()).await;
             if !read.expect("containerd answers within 2 minutes") {
                 let left = want - self.seen.ok - self.seen.failed.len();
-                self.seen.failed.push(format!("{left} calls: connection closed"));
+                self.seen
+                    .failed
+                    .push(format!("{left} calls: connection closed"));
                 return;
             }
         }
@@ -228,7 +230,9 @@ async fn creates(sock: &Path, target: &Descriptor) -> Seen {
     let mut client = BdpClient::connect(sock).await;
     let base = unique_name("ping");
     for round in 0..ROUNDS {
-        client.creates(&format!("{base}-{round}"), target, CALLS).await;
+        client
+            .creates(&format!("{base}-{round}"), target, CALLS)
+            .await;
         if !client.seen.goaways.is_empty() {
             break;
         }
