@@ -2,8 +2,7 @@
 //! frame by frame.
 //!
 //! The two peers speak HTTP/2 to each other through the splice. SETTINGS,
-//! PING (all but one case: [`ping`]), GOAWAY and flow control pass end to
-//! end untouched, and DATA goes out
+//! PING, GOAWAY and flow control pass end to end untouched, and DATA goes out
 //! straight from the read buffer, so a call costs about what a byte relay
 //! costs (a full HTTP/2 server plus client per hop cost +80 µs a call, and a
 //! quarter of read throughput: see README, Performance). The splice reads
@@ -17,6 +16,8 @@
 //!   the client's HPACK table a mirror of containerd's encoder. Should a held
 //!   or dropped block have changed containerd's table, the mirror is broken
 //!   for good: from then on every containerd block is re-encoded that way;
+//! - a client PING that a released held reply caused, and that containerd
+//!   would count against the client, is answered by the splice (`ping`);
 //! - on shutdown it sends GOAWAY, refuses calls opened after it, and ends the
 //!   calls that never end on their own with UNAVAILABLE ([`OPEN_ENDED`]).
 //!
