@@ -128,7 +128,7 @@ impl Pings {
                 if self.released && self.upstream != Upstream::Spoke {
                     self.released = false;
                     out.down.push_back(ack_of(&frame[HEADER_LEN..]));
-                    tracing::trace!("answered a client PING that follows a released reply");
+                    tracing::debug!("answered a client PING that follows a released held reply (containerd would count it against the client)");
                     return Verdict::Swallow;
                 }
                 self.upstream = self.upstream.asked();
