@@ -435,6 +435,7 @@ impl State {
             g.set_status(held.status());
         }
         held.release(stream, out);
+        self.pings.released();
         if whole {
             self.calls.remove(&stream);
         }
@@ -477,7 +478,10 @@ impl State {
                 Ok(()) => self.release(stream, out, true),
                 Err(status) => self.fail(stream, status, out),
             },
-            Outcome::Watch { stream } => self.watch_release(stream, out),
+            Outcome::Watch { stream } => {
+                self.watch_release(stream, out);
+                self.pings.released();
+            }
         }
     }
 }

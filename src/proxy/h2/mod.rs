@@ -16,6 +16,8 @@
 //!   the client's HPACK table a mirror of containerd's encoder. Should a held
 //!   or dropped block have changed containerd's table, the mirror is broken
 //!   for good: from then on every containerd block is re-encoded that way;
+//! - a client PING that a released held reply caused, and that containerd
+//!   would count against the client, is answered by the splice (`ping`);
 //! - on shutdown it sends GOAWAY, refuses calls opened after it, and ends the
 //!   calls that never end on their own with UNAVAILABLE ([`OPEN_ENDED`]).
 //!
@@ -27,13 +29,16 @@
 //! - `pump`: one direction's bytes: read buffer → whole frames → write queue;
 //! - `conn`: the connection loop: both pumps, hooks, drain, containerd lost;
 //! - `streams`: per-stream tracking, header blocks, DATA of refused calls;
-//! - `held`: the life of an intercepted call (`held::CallState`).
+//! - `held`: the life of an intercepted call (`held::CallState`);
+//! - `ping`: the client PINGs the splice answers itself (those a released
+//!   held reply causes, which containerd would count against the client).
 
 pub mod frame;
 pub mod hpack;
 
 mod conn;
 mod held;
+mod ping;
 mod pump;
 mod settings;
 mod streams;

@@ -165,6 +165,9 @@ impl Pump {
             if head.len > limit {
                 return Err(SpliceError::FrameTooLarge(self.from, head.len, limit));
             }
+            if self.from == Side::Containerd && matches!(head.kind, frame::DATA | frame::HEADERS) {
+                st.pings.containerd_wrote(); // may run again for the same frame: idempotent
+            }
             if self.block.is_some() && head.kind != frame::CONTINUATION {
                 return Err(SpliceError::Malformed(
                     self.from,

@@ -13,6 +13,7 @@ use futures_util::stream::FuturesUnordered;
 use super::frame::{self, Head, HEADER_LEN};
 use super::held::{Held, Outcome};
 use super::hpack::{self, Decoder};
+use super::ping::{self, Pings};
 use super::pump::{Block, Verdict};
 use super::settings::Advertised;
 use super::watched::{Step, Watched};
@@ -67,6 +68,8 @@ pub(super) struct State {
     /// Calls no hook holds, whose bookkeeping waits until their request is
     /// written: see [`State::open_calls`].
     pub(super) opening: Vec<(u32, Arc<str>)>,
+    /// Which client PINGs containerd would count against it.
+    pub(super) pings: Pings,
 }
 
 /// `v` as a shared string, reusing `seen` when it holds the same text.
@@ -181,6 +184,7 @@ impl State {
             out: BytesMut::with_capacity(OUT_ARENA),
             ended: Vec::new(),
             opening: Vec::new(),
+            pings: Pings::default(),
         }
     }
 
@@ -200,7 +204,8 @@ impl State {
             | frame::CONTINUATION
             | frame::RST_STREAM
             | frame::PUSH_PROMISE
-            | frame::SETTINGS => true,
+            | frame::SETTINGS
+            | ping::PING => true,
             frame::DATA => self.calls.get(&head.stream).is_some_and(|c| {
                 c.refused
                     || c.watch.is_some()
@@ -327,6 +332,7 @@ impl State {
                 Ok(self.reset(from, head.stream, frame, out))
             }
             frame::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
+            ping::PING => Ok(self.pings.frame(from, head, frame, out)),
             frame::SETTINGS if head.stream == 0 => {
                 self.settings(from, head, payload)?;
                 Ok(Verdict::Forward)
