@@ -409,7 +409,7 @@ async fn cri_registry(
         if let Some(ex) = ps.first().map(|p| &p.exports) {
             if let Some(path) = ex.get("RegistryConfigPath") {
                 reg.config_path = path.clone();
-                reg.from = format!("containerd's Introspection ({})", reg.from);
+                reg.from = format!("containerd's Introspection; the rest from {}", reg.from);
             }
             if let Some(d) = ex.get("DiscardUnpackedLayers") {
                 reg.discard_unpacked_layers = d.parse().ok();
