@@ -588,7 +588,8 @@ fn doctor_checks_a_node_for_image_sharing() {
         assert_eq!(line_of(&text, what), None, "{text}");
     }
 
-    // A mirror on this node for docker.io, in the layout spegel writes.
+    // A mirror on this node for docker.io, in the layout spegel writes
+    // (with an unreachable server: nothing here may reach the internet).
     let registry = common::Registry::start();
     let image = common::TestImage::hello("imgbridge-test/doctor-mirror:dev");
     image.push(&registry.addr());
@@ -598,7 +599,7 @@ fn doctor_checks_a_node_for_image_sharing() {
     let mirror = format!("http://{}", registry.addr());
     std::fs::write(
         hosts_dir.join("hosts.toml"),
-        format!("server = 'https://registry-1.docker.io'\n\n[host.'{mirror}']\ncapabilities = ['pull', 'resolve']\ndial_timeout = '200ms'\n"),
+        format!("server = 'https://upstream.invalid'\n\n[host.'{mirror}']\ncapabilities = ['pull', 'resolve']\ndial_timeout = '200ms'\n"),
     )
     .unwrap();
     let certs_s = certs.display().to_string();
@@ -623,7 +624,7 @@ fn doctor_checks_a_node_for_image_sharing() {
     assert!(
         l.starts_with("✓ mirror hosts.toml: ")
             && l.contains(&format!(
-                "docker.io → {mirror} (pull, resolve), then https://registry-1.docker.io"
+                "docker.io → {mirror} (pull, resolve), then https://upstream.invalid"
             )),
         "{l}"
     );

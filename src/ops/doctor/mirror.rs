@@ -749,10 +749,10 @@ mod tests {
 
     #[test]
     fn parses_hosts_toml() {
-        // As spegel writes it.
-        let spegel = "server = 'https://registry-1.docker.io'\n\n[host.'http://127.0.0.1:30020']\ncapabilities = ['pull', 'resolve']\ndial_timeout = '200ms'\n";
+        // In the layout spegel writes (its server is the registry's own endpoint).
+        let spegel = "server = 'https://upstream.invalid'\n\n[host.'http://127.0.0.1:30020']\ncapabilities = ['pull', 'resolve']\ndial_timeout = '200ms'\n";
         let h = parse_hosts(spegel).unwrap();
-        assert_eq!(h.server.as_deref(), Some("https://registry-1.docker.io"));
+        assert_eq!(h.server.as_deref(), Some("https://upstream.invalid"));
         assert_eq!(
             h.hosts,
             vec![Host {
