@@ -7,9 +7,10 @@
 //! from its config file: 1.x reports its registry settings in CRI
 //! `Status{verbose}` (`config.registry.configPath`,
 //! `config.containerd.discardUnpackedLayers`); 2.x does not (its Status
-//! carries only the runtime half of CRI), but from 2.4 the
-//! `io.containerd.cri.v1.images` plugin exports `RegistryConfigPath` and
-//! `DiscardUnpackedLayers` over Introspection. Whether 2.x CRI pulls through
+//! carries only the runtime half of CRI), but newer releases (2.4.2 does,
+//! v2.4.0-beta.0 does not) have the `io.containerd.cri.v1.images` plugin
+//! export `RegistryConfigPath` and `DiscardUnpackedLayers` over
+//! Introspection. Whether 2.x CRI pulls through
 //! the Transfer service is only in the config file.
 //!
 //! Nothing here fails the doctor: a node without a mirror is a single-node
@@ -399,7 +400,7 @@ async fn cri_registry(
             reg
         }
     };
-    // 2.4+: the running plugin's own values win over the file.
+    // Releases that export them (2.4.2): the running plugin's values win.
     if let Ok(ps) = timed(c.plugins(&format!(
         "type=={},id=={}",
         IMAGES_PLUGIN.0, IMAGES_PLUGIN.1
