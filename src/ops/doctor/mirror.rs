@@ -275,25 +275,30 @@ pub fn host_dir(roots: &[String], registry: &str) -> Option<PathBuf> {
     })
 }
 
-/// `(scheme, host, port, path)` of a host URL such as
-/// `http://127.0.0.1:30020` or `https://[::1]:6443/v2`.
-pub fn split_url(url: &str) -> Option<(&str, &str, Option<u16>, &str)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-        let (h, after) = v6.split_once(']')?;
-        (h, after.strip_prefix(':'))
-    } else {
-        match authority.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (authority, None),
-        }
-    };
-    let port = match port {
-        Some(p) => Some(p.parse().ok()?),
-        None => None,
-    };
-    Some((scheme, host, port, path))
+/// The parts of a `[host."…"]` URL doctor uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostUrl {
+    pub scheme: String,
+    /// Without IPv6 brackets.
+    pub host: String,
+    pub port: Option<u16>,
+    pub path: String,
+}
+
+/// Parses a host URL such as `http://127.0.0.1:30020` or
+/// `https://[::1]:6443/v2`; `None` without a scheme or host.
+pub fn parse_url(url: &str) -> Option<HostUrl> {
+    let uri: http::Uri = url.parse().ok()?;
+    Some(HostUrl {
+        scheme: uri.scheme_str()?.to_string(),
+        host: uri
+            .host()?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string(),
+        port: uri.port_u16(),
+        path: uri.path().to_string(),
+    })
 }
 
 /// Whether `ip` is this node's: loopback, or an address a socket can bind
@@ -304,20 +309,21 @@ fn is_local_ip(ip: IpAddr) -> bool {
 
 /// Whether a host URL names a mirror on this node.
 async fn is_local(url: &str) -> bool {
-    let Some((_, host, port, _)) = split_url(url) else {
+    let Some(u) = parse_url(url) else {
         return false;
     };
-    if host.eq_ignore_ascii_case("localhost") {
+    if u.host.eq_ignore_ascii_case("localhost") {
         return true;
     }
-    if let Ok(ip) = host.parse::<IpAddr>() {
+    if let Ok(ip) = u.host.parse::<IpAddr>() {
         return is_local_ip(ip);
     }
-    let lookup = tokio::net::lookup_host((host, port.unwrap_or(80)));
-    match tokio::time::timeout(PROBE_TIMEOUT, lookup).await {
+    let lookup = tokio::net::lookup_host((u.host.as_str(), u.port.unwrap_or(80)));
+    let local = match tokio::time::timeout(PROBE_TIMEOUT, lookup).await {
         Ok(Ok(mut addrs)) => addrs.any(|a| is_local_ip(a.ip())),
         _ => false,
-    }
+    };
+    local
 }
 
 /// The HTTP status of `GET <path>/v2/` at a plain-http mirror (spegel
@@ -547,10 +553,17 @@ pub(super) async fn checks(
         ),
     }
     pull_path(&reg, &first_root, r);
-    let Some((scheme, host, port, path)) = split_url(&mirror.url) else {
+    let Some(HostUrl {
+        scheme,
+        host,
+        port,
+        path,
+    }) = parse_url(&mirror.url)
+    else {
         return;
     };
     let port = port.unwrap_or(if scheme == "https" { 443 } else { 80 });
+    let host = host.as_str();
     if scheme != "http" {
         match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect((host, port)))
             .await
@@ -575,7 +588,7 @@ pub(super) async fn checks(
         }
         return;
     }
-    match probe_http(host, port, path).await {
+    match probe_http(host, port, &path).await {
         Ok(code @ (200 | 401)) => r.pass(
             "mirror",
             format!("{} answers GET /v2/ (HTTP {code})", mirror.url),
@@ -809,21 +822,22 @@ mod tests {
     }
 
     #[test]
-    fn splits_host_urls() {
+    fn parses_host_urls() {
+        let u = |s| parse_url(s).map(|u| (u.scheme, u.host, u.port, u.path));
+        let t = |a: &str, b: &str, c, d: &str| Some((a.into(), b.into(), c, d.into()));
         assert_eq!(
-            split_url("http://127.0.0.1:30020"),
-            Some(("http", "127.0.0.1", Some(30020), ""))
+            u("http://127.0.0.1:30020"),
+            t("http", "127.0.0.1", Some(30020), "/")
         );
         assert_eq!(
-            split_url("https://[::1]:6443/v2"),
-            Some(("https", "::1", Some(6443), "/v2"))
+            u("https://[::1]:6443/v2"),
+            t("https", "::1", Some(6443), "/v2")
         );
         assert_eq!(
-            split_url("https://mirror.example/"),
-            Some(("https", "mirror.example", None, "/"))
+            u("https://mirror.example/"),
+            t("https", "mirror.example", None, "/")
         );
-        assert_eq!(split_url("http://h:port"), None);
-        assert_eq!(split_url("127.0.0.1:5000"), None);
+        assert_eq!(u("127.0.0.1:5000"), None);
     }
 
     #[tokio::test]
