@@ -10,8 +10,8 @@
 //! carries only the runtime half of CRI), but newer releases (2.4.2 does,
 //! v2.4.0-beta.0 does not) have the `io.containerd.cri.v1.images` plugin
 //! export `RegistryConfigPath` and `DiscardUnpackedLayers` over
-//! Introspection. Whether 2.x CRI pulls through
-//! the Transfer service is only in the config file.
+//! Introspection. Whether 2.x CRI pulls through the Transfer service is
+//! only in the config file.
 //!
 //! Nothing here fails the doctor: a node without a mirror is a single-node
 //! setup, which gets one warning pointing at `docs/multi-node.md`.
@@ -81,15 +81,21 @@ impl CriRegistry {
         }
     }
 
+    /// The directories of `config_path` as the client pull reads it (the
+    /// user's intent).
+    pub fn dirs(&self) -> Vec<String> {
+        std::env::split_paths(&self.config_path)
+            .map(|p| p.display().to_string())
+            .filter(|p| !p.is_empty())
+            .collect()
+    }
+
     /// The roots containerd looks under for `hosts.toml`, as this pull path
     /// reads `config_path`.
     pub fn roots(&self) -> Vec<String> {
         match self.pull {
             PullPath::Transfer => vec![self.config_path.clone()],
-            _ => std::env::split_paths(&self.config_path)
-                .map(|p| p.display().to_string())
-                .filter(|p| !p.is_empty())
-                .collect(),
+            _ => self.dirs(),
         }
     }
 }
@@ -461,10 +467,7 @@ pub(super) async fn checks(
         return;
     }
     // Where the user meant mirrors to be found: every root of the list.
-    let roots: Vec<String> = std::env::split_paths(&reg.config_path)
-        .map(|p| p.display().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
+    let roots = reg.dirs();
     let first_root = roots.first().cloned().unwrap_or_default();
     let Some(dir) = host_dir(&roots, MIRRORED) else {
         r.warn(
@@ -611,7 +614,7 @@ pub(super) async fn checks(
 /// and mirrors are silently skipped (containerd issues 12415, 12636).
 fn pull_path(reg: &CriRegistry, first_root: &str, r: &mut Report) {
     let what = "CRI pull path";
-    let list = reg.roots().len() > 1 || reg.config_path.contains(':');
+    let list = reg.dirs().len() > 1;
     match &reg.pull {
         PullPath::Local(why) => r.pass(what, format!("client pull ({why}): config_path is read as a list")),
         PullPath::Transfer if list => r.warn(
