@@ -379,6 +379,18 @@ fn config_file(env: Option<&Path>, candidates: &[PathBuf]) -> Option<PathBuf> {
     }
 }
 
+/// The config file's non-empty `imports = [...]`, as written.
+fn imports(text: &str) -> Option<String> {
+    let t: toml::Table = toml::from_str(text).ok()?;
+    let list: Vec<&str> = t
+        .get("imports")?
+        .as_array()?
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    (!list.is_empty()).then(|| list.join(", "))
+}
+
 /// CRI's registry settings from the best source this containerd offers.
 async fn cri_registry(
     c: &Containerd,
@@ -399,6 +411,10 @@ async fn cri_registry(
             let mut reg = from_config_file(t, v)
                 .map_err(|e| format!("{} does not parse: {e}", f.display()))?;
             reg.from = f.display().to_string();
+            if let Some(imports) = imports(t) {
+                // containerd merges them in; doctor does not follow them.
+                reg.from = format!("{}, whose imports {imports} doctor does not read", reg.from);
+            }
             reg
         }
         // No file: containerd runs on its defaults (or a file doctor was
@@ -751,6 +767,17 @@ mod tests {
         // Version 1 names the plugin `cri`.
         let v1 = "[plugins.cri.registry]\n  config_path = \"/x\"\n";
         assert_eq!(from_config_file(v1, (2, 1, 9)).unwrap().config_path, "/x");
+    }
+
+    #[test]
+    fn names_imports() {
+        assert_eq!(
+            imports("version = 2\nimports = [\"/etc/containerd/config.d/*.toml\", \"x.toml\"]\n")
+                .as_deref(),
+            Some("/etc/containerd/config.d/*.toml, x.toml")
+        );
+        assert_eq!(imports("version = 2\nimports = []\n"), None);
+        assert_eq!(imports("version = 2\n"), None);
     }
 
     #[test]
