@@ -332,16 +332,21 @@ async fn is_local(url: &str) -> bool {
     local
 }
 
-/// The HTTP status of `GET <path>/v2/` at a plain-http mirror (spegel
-/// answers 200 there, a registry that wants a token 401).
-async fn probe_http(host: &str, port: u16, path: &str) -> Result<u16, String> {
+/// The registry root under a host URL's path: `/v2/`, or the path itself
+/// when it already ends in `/v2` (k3s-style `…/v2` hosts).
+fn v2_path(path: &str) -> String {
+    let path = path.trim_end_matches('/');
+    if path.ends_with("/v2") {
+        format!("{path}/")
+    } else {
+        format!("{path}/v2/")
+    }
+}
+
+/// The HTTP status of `GET <target>` at a plain-http mirror.
+async fn probe_http(host: &str, port: u16, target: &str) -> Result<u16, String> {
     use http_body_util::Empty;
     use hyper_util::rt::TokioIo;
-    let target = if path.trim_end_matches('/').ends_with("/v2") {
-        format!("{}/", path.trim_end_matches('/'))
-    } else {
-        format!("{}/v2/", path.trim_end_matches('/'))
-    };
     let authority = if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
@@ -355,7 +360,7 @@ async fn probe_http(host: &str, port: u16, path: &str) -> Result<u16, String> {
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let req = http::Request::get(&target)
+        let req = http::Request::get(target)
             .header(http::header::HOST, &authority)
             .body(Empty::<bytes::Bytes>::new())
             .map_err(|e| e.to_string())?;
@@ -572,12 +577,18 @@ pub(super) async fn checks(
         ),
     }
     pull_path(&reg, &first_root, r);
+    probe_mirror(&mirror.url, r).await;
+}
+
+/// Whether the mirror a `hosts.toml` names answers as a registry (and, for
+/// spegel, is ready).
+async fn probe_mirror(url: &str, r: &mut Report) {
     let Some(HostUrl {
         scheme,
         host,
         port,
         path,
-    }) = parse_url(&mirror.url)
+    }) = parse_url(url)
     else {
         return;
     };
@@ -589,37 +600,49 @@ pub(super) async fn checks(
         {
             Ok(Ok(_)) => r.pass(
                 "mirror",
-                format!(
-                    "{} accepts connections ({scheme}: not probed further)",
-                    mirror.url
-                ),
+                format!("{} accepts connections ({scheme}: not probed further)", url),
             ),
             Ok(Err(e)) => r.warn(
                 "mirror",
-                format!("{}: {e}", mirror.url),
+                format!("{}: {e}", url),
                 "start the mirror (spegel's DaemonSet pod on this node; k3s: --embedded-registry)",
             ),
             Err(_) => r.warn(
                 "mirror",
-                format!("{}: no answer within {PROBE_TIMEOUT:?}", mirror.url),
+                format!("{}: no answer within {PROBE_TIMEOUT:?}", url),
                 "start the mirror, or check the address",
             ),
         }
         return;
     }
-    match probe_http(host, port, &path).await {
-        Ok(code @ (200 | 401)) => r.pass(
-            "mirror",
-            format!("{} answers GET /v2/ (HTTP {code})", mirror.url),
-        ),
+    // spegel answers 200 at the registry root, a registry that wants a
+    // token 401.
+    match probe_http(host, port, &v2_path(&path)).await {
+        Ok(code @ (200 | 401)) => match probe_http(host, port, "/readyz").await {
+            // spegel's /readyz is 500 until its router has peers.
+            Ok(500 | 503) => r.warn(
+                "mirror",
+                format!("{} answers GET /v2/ but its /readyz is not ready: spegel has no peers yet, so it finds nothing on other nodes", url),
+                "let the nodes reach each other on spegel's router port (5001; k3s: 5001 and 6443) and check its log (kubectl -n spegel logs)",
+            ),
+            Ok(200) => r.pass(
+                "mirror",
+                format!("{} answers GET /v2/ (HTTP {code}) and /readyz (ready)", url),
+            ),
+            // Not spegel (no /readyz): the registry root is all there is to ask.
+            _ => r.pass(
+                "mirror",
+                format!("{} answers GET /v2/ (HTTP {code})", url),
+            ),
+        },
         Ok(code) => r.warn(
             "mirror",
-            format!("{} answers GET /v2/ with HTTP {code}: not a registry", mirror.url),
+            format!("{} answers GET /v2/ with HTTP {code}: not a registry", url),
             "point the hosts.toml host at the mirror's registry port (spegel: 30020 with the Helm chart)",
         ),
         Err(e) => r.warn(
             "mirror",
-            format!("{} does not answer: {e}", mirror.url),
+            format!("{} does not answer: {e}", url),
             "start the mirror (spegel's DaemonSet pod on this node, kubectl -n spegel get pods -o wide); until then pulls fall through to the registry",
         ),
     }
@@ -880,6 +903,58 @@ mod tests {
         assert!(!is_local("not a url").await);
     }
 
+    #[test]
+    fn registry_root_under_a_host_path() {
+        assert_eq!(v2_path("/"), "/v2/");
+        assert_eq!(v2_path(""), "/v2/");
+        assert_eq!(v2_path("/v2"), "/v2/");
+        assert_eq!(v2_path("/v2/"), "/v2/");
+        assert_eq!(v2_path("/prefix"), "/prefix/v2/");
+    }
+
+    /// A stand-in for a spegel whose router has no peers: fault injection,
+    /// since a real spegel is ready once it has peers and the state under
+    /// test is the one before. Answers `/v2/` 200 and `/readyz` 500, one
+    /// connection per request, until dropped.
+    async fn unready_spegel() -> (u16, tokio::task::JoinHandle<()>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut buf = vec![0; 4096];
+                let n = s.read(&mut buf).await.unwrap();
+                let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let status = if head.starts_with("GET /readyz ") {
+                    "500 Internal Server Error"
+                } else {
+                    "200 OK"
+                };
+                let reply =
+                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                s.write_all(reply.as_bytes()).await.unwrap();
+            }
+        });
+        (port, task)
+    }
+
+    #[tokio::test]
+    async fn an_unready_spegel_is_a_warning() {
+        let (port, task) = unready_spegel().await;
+        let mut r = Report::default();
+        probe_mirror(&format!("http://127.0.0.1:{port}"), &mut r).await;
+        task.abort();
+        let l: Vec<String> = r.checks.iter().map(|c| c.to_string()).collect();
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].starts_with(&format!(
+                "! mirror: http://127.0.0.1:{port} answers GET /v2/ but its /readyz is not ready"
+            )) && l[0].contains("fix: let the nodes reach each other"),
+            "{l:?}"
+        );
+    }
+
     #[tokio::test]
     async fn probing_nothing_is_an_error() {
         // A port that was free a moment ago; tests/ops.rs probes a real
@@ -889,7 +964,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let e = probe_http("127.0.0.1", port, "").await.unwrap_err();
+        let e = probe_http("127.0.0.1", port, "/v2/").await.unwrap_err();
         assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
     }
 }
