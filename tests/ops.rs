@@ -641,11 +641,24 @@ fn doctor_checks_a_node_for_image_sharing() {
     // What doctor calls set up is: CRI pulls the image through the mirror.
     cri_pulls(&sock, &image.normalized()).unwrap();
 
-    // Layers kept.
+    // Layers kept, which on 2.1+ also puts CRI on the Transfer path: with
+    // one directory it still pulls through the mirror.
     reconfigure(&mut c, &certs_s, false, false);
     let text = run_doctor();
     let l = line_of(&text, "unpacked layers").unwrap();
     assert!(l.starts_with("✓ unpacked layers: kept"), "{l}");
+    let l = line_of(&text, "CRI pull path").unwrap();
+    if common::flavor().semver >= (2, 1, 0) {
+        assert_eq!(
+            l,
+            "✓ CRI pull path: Transfer service, config_path is one directory: honoured"
+        );
+    } else {
+        assert!(l.starts_with("✓ CRI pull path: client pull ("), "{l}");
+    }
+    let third = common::TestImage::hello("imgbridge-test/doctor-mirror:one");
+    third.push(&registry.addr());
+    cri_pulls(&sock, &third.normalized()).unwrap();
 
     // The Transfer trap: a config_path list (2.2+'s default shape).
     let other = dir.path().join("docker-certs.d").display().to_string();
