@@ -692,6 +692,23 @@ fn doctor_checks_a_node_for_image_sharing() {
     }
     cri_pulls(&sock, &second.normalized()).unwrap();
 
+    // `_default/hosts.toml`, which spegel writes when it mirrors every
+    // registry (its Helm chart's default), serves docker.io too.
+    let default_dir = certs.join("_default");
+    std::fs::rename(&hosts_dir, &default_dir).unwrap();
+    let text = run_doctor();
+    let l = line_of(&text, "mirror hosts.toml").unwrap();
+    assert!(
+        l.starts_with(&format!(
+            "✓ mirror hosts.toml: {}: docker.io → {mirror} (pull, resolve)",
+            default_dir.join("hosts.toml").display()
+        )),
+        "{l}"
+    );
+    let fourth = common::TestImage::hello("imgbridge-test/doctor-mirror:default");
+    fourth.push(&registry.addr());
+    cri_pulls(&sock, &fourth.normalized()).unwrap();
+
     // The mirror down: a warning, the rest unchanged.
     drop(registry);
     let text = run_doctor();
