@@ -482,7 +482,7 @@ pub(super) async fn checks(
     if reg.config_path.is_empty() {
         r.warn(
             what,
-            format!("single node: CRI has no registry config_path ({}), so kubelet pulls of images built on another node go to the registry", reg.from),
+            format!("single node: CRI has no registry config_path (read from {}), so kubelet pulls of images built on another node go to the registry", reg.from),
             format!("to share images between nodes through spegel: {} and a {example}/{MIRRORED}/hosts.toml naming the node's mirror; {guide}", reg.config_path_line(example)),
         );
         return;
