@@ -476,6 +476,256 @@ fn doctor_fails_on_missing_socket_and_bad_config() {
     assert!(line.contains("pinn"), "{line}");
 }
 
+/// containerd's config as the harness wrote it, with CRI's registry
+/// `config_path`, `discard_unpacked_layers` and (2.x) `use_local_image_pull`
+/// set as given, in the layout of the version under test.
+fn with_cri_registry(base: &str, config_path: &str, discard: bool, local_pull: bool) -> String {
+    if common::flavor().is_v2() {
+        let images = "  [plugins.\"io.containerd.cri.v1.images\"]\n";
+        assert!(base.contains(images), "{base}");
+        let mut out = String::new();
+        for line in base.lines() {
+            if line.trim_start().starts_with("config_path = ") {
+                out.push_str(&format!("      config_path = \"{config_path}\"\n"));
+                continue;
+            }
+            out.push_str(line);
+            out.push('\n');
+            if format!("{line}\n") == images {
+                out.push_str(&format!(
+                    "    discard_unpacked_layers = {discard}\n    use_local_image_pull = {local_pull}\n"
+                ));
+            }
+        }
+        out
+    } else {
+        let ctd = "    [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n";
+        assert!(base.contains(ctd), "{base}");
+        let mut out = base.replace(
+            ctd,
+            &format!("{ctd}      discard_unpacked_layers = {discard}\n"),
+        );
+        out.push_str(&format!(
+            "    [plugins.\"io.containerd.grpc.v1.cri\".registry]\n      config_path = \"{config_path}\"\n"
+        ));
+        out
+    }
+}
+
+/// Whether CRI pulls `image` within a deadline (a pull that would go to the
+/// internet fails, or is cut off here).
+fn cri_pulls(sock: &Path, image: &str) -> Result<(), String> {
+    let rt = rt();
+    rt.block_on(async {
+        let mut images = common::cri_image_client(sock).await;
+        let req = k8s_cri::v1::PullImageRequest {
+            image: Some(k8s_cri::v1::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        match tokio::time::timeout(DEADLINE, images.pull_image(req)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.message().to_string()),
+            Err(_) => Err(format!("no answer within {DEADLINE:?}")),
+        }
+    })
+}
+
+/// Doctor's image-sharing checks against a real containerd whose config the
+/// test rewrites, with a real registry in the mirror's place: like spegel's
+/// mirror it answers `/v2/` and serves `docker.io/...` pulls routed to it by
+/// `hosts.toml`. Each verdict doctor gives is checked against a real CRI pull.
+#[test]
+fn doctor_checks_a_node_for_image_sharing() {
+    let mut c = common::Containerd::start(common::ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let sock = c.socket().to_path_buf();
+    let ctd_config = c.config_path().to_path_buf();
+    let base = std::fs::read_to_string(&ctd_config).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let run_doctor = || {
+        let out = Command::new(BIN)
+            .args(["doctor", "--config", "/dev/null", "--upstream"])
+            .arg(&sock)
+            .arg("--listen")
+            .arg(dir.path().join("ib.sock"))
+            .env(imgbridge::ops::doctor::CONFIG_ENV, &ctd_config)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        // A node not set up for sharing, or set up badly, still passes.
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains(" 0 failed"), "{text}");
+        text
+    };
+    let line_of = |text: &str, what: &str| -> Option<String> {
+        text.lines()
+            .find(|l| {
+                l.split_once(' ')
+                    .is_some_and(|(_, rest)| rest.starts_with(&format!("{what}: ")))
+            })
+            .map(String::from)
+    };
+    let sharing_lines = [
+        "registry config_path",
+        "mirror hosts.toml",
+        "unpacked layers",
+        "CRI pull path",
+        "mirror",
+    ];
+
+    // A single node (the harness's config: no config_path on 1.x, an empty
+    // certs.d on 2.x): one warning that says so, none of the other lines.
+    let text = run_doctor();
+    let l = line_of(&text, "image sharing").unwrap_or_else(|| panic!("{text}"));
+    assert!(l.starts_with("! image sharing: single node: "), "{l}");
+    assert!(l.contains("docs/multi-node.md"), "{l}");
+    for what in sharing_lines {
+        assert_eq!(line_of(&text, what), None, "{text}");
+    }
+
+    // A mirror on this node for docker.io, in the layout spegel writes
+    // (with an unreachable server: nothing here may reach the internet).
+    let registry = common::Registry::start();
+    let image = common::TestImage::hello("imgbridge-test/doctor-mirror:dev");
+    image.push(&registry.addr());
+    let certs = dir.path().join("certs.d");
+    let hosts_dir = certs.join("docker.io");
+    std::fs::create_dir_all(&hosts_dir).unwrap();
+    let mirror = format!("http://{}", registry.addr());
+    std::fs::write(
+        hosts_dir.join("hosts.toml"),
+        format!("server = 'https://upstream.invalid'\n\n[host.'{mirror}']\ncapabilities = ['pull', 'resolve']\ndial_timeout = '200ms'\n"),
+    )
+    .unwrap();
+    let certs_s = certs.display().to_string();
+    let reconfigure =
+        |c: &mut common::Containerd, config_path: &str, discard: bool, local: bool| {
+            std::fs::write(
+                &ctd_config,
+                with_cri_registry(&base, config_path, discard, local),
+            )
+            .unwrap();
+            c.restart();
+        };
+    reconfigure(&mut c, &certs_s, true, false);
+    let text = run_doctor();
+    assert_eq!(line_of(&text, "image sharing"), None, "{text}");
+    let l = line_of(&text, "registry config_path").unwrap();
+    assert!(
+        l.starts_with(&format!("✓ registry config_path: {certs_s} (from ")),
+        "{l}"
+    );
+    let l = line_of(&text, "mirror hosts.toml").unwrap();
+    assert!(
+        l.starts_with("✓ mirror hosts.toml: ")
+            && l.contains(&format!(
+                "docker.io → {mirror} (pull, resolve), then https://upstream.invalid"
+            )),
+        "{l}"
+    );
+    let l = line_of(&text, "unpacked layers").unwrap();
+    assert!(
+        l.starts_with("! unpacked layers: discard_unpacked_layers = true"),
+        "{l}"
+    );
+    assert!(l.contains("fix: [plugins.\""), "{l}");
+    let l = line_of(&text, "CRI pull path").unwrap();
+    assert!(l.starts_with("✓ CRI pull path: "), "{l}");
+    let l = line_of(&text, "mirror").unwrap();
+    assert_eq!(l, format!("✓ mirror: {mirror} answers GET /v2/ (HTTP 200)"));
+    // What doctor calls set up is: CRI pulls the image through the mirror.
+    cri_pulls(&sock, &image.normalized()).unwrap();
+
+    // Layers kept, which on 2.1+ also puts CRI on the Transfer path: with
+    // one directory it still pulls through the mirror.
+    reconfigure(&mut c, &certs_s, false, false);
+    let text = run_doctor();
+    let l = line_of(&text, "unpacked layers").unwrap();
+    assert!(l.starts_with("✓ unpacked layers: kept"), "{l}");
+    let l = line_of(&text, "CRI pull path").unwrap();
+    if common::flavor().semver >= (2, 1, 0) {
+        assert_eq!(
+            l,
+            "✓ CRI pull path: Transfer service, config_path is one directory: honoured"
+        );
+    } else {
+        assert!(l.starts_with("✓ CRI pull path: client pull ("), "{l}");
+    }
+    let third = common::TestImage::hello("imgbridge-test/doctor-mirror:one");
+    third.push(&registry.addr());
+    cri_pulls(&sock, &third.normalized()).unwrap();
+
+    // The Transfer trap: a config_path list (2.2+'s default shape).
+    let other = dir.path().join("docker-certs.d").display().to_string();
+    let list = format!("{certs_s}:{other}");
+    let second = common::TestImage::hello("imgbridge-test/doctor-mirror:list");
+    second.push(&registry.addr());
+    reconfigure(&mut c, &list, false, false);
+    let text = run_doctor();
+    let l = line_of(&text, "CRI pull path").unwrap();
+    let v = common::flavor().semver;
+    if v >= (2, 1, 0) {
+        assert!(
+            l.starts_with("! CRI pull path: CRI pulls through the Transfer service")
+                && l.contains(&format!("[plugins.\"io.containerd.cri.v1.images\".registry] config_path = \"{certs_s}\""))
+                && l.contains("use_local_image_pull = true"),
+            "{l}"
+        );
+        // As doctor says: the mirror is skipped.
+        let e = cri_pulls(&sock, &second.normalized()).unwrap_err();
+        eprintln!("pull with a config_path list through Transfer: {e}");
+        // The client pull reads the list.
+        reconfigure(&mut c, &list, false, true);
+        let text = run_doctor();
+        let l = line_of(&text, "CRI pull path").unwrap();
+        assert!(
+            l.starts_with("✓ CRI pull path: client pull (use_local_image_pull = true)"),
+            "{l}"
+        );
+    } else {
+        assert!(l.starts_with("✓ CRI pull path: client pull ("), "{l}");
+    }
+    cri_pulls(&sock, &second.normalized()).unwrap();
+
+    // `_default/hosts.toml`, which spegel writes when it mirrors every
+    // registry (its Helm chart's default), serves docker.io too.
+    let default_dir = certs.join("_default");
+    std::fs::rename(&hosts_dir, &default_dir).unwrap();
+    let text = run_doctor();
+    let l = line_of(&text, "mirror hosts.toml").unwrap();
+    assert!(
+        l.starts_with(&format!(
+            "✓ mirror hosts.toml: {}: docker.io → {mirror} (pull, resolve)",
+            default_dir.join("hosts.toml").display()
+        )),
+        "{l}"
+    );
+    let fourth = common::TestImage::hello("imgbridge-test/doctor-mirror:default");
+    fourth.push(&registry.addr());
+    cri_pulls(&sock, &fourth.normalized()).unwrap();
+
+    // The mirror down: a warning, the rest unchanged.
+    drop(registry);
+    let text = run_doctor();
+    let l = line_of(&text, "mirror").unwrap();
+    assert!(
+        l.starts_with(&format!("! mirror: {mirror} does not answer: ")),
+        "{l}"
+    );
+    assert!(l.contains("fix: start the mirror"), "{l}");
+    assert!(
+        line_of(&text, "mirror hosts.toml")
+            .unwrap()
+            .starts_with("✓"),
+        "{text}"
+    );
+}
+
 #[test]
 fn socket_activation_serves_the_passed_listener() {
     let c = Ctrd::start(false);

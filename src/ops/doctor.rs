@@ -8,6 +8,11 @@
 //! file is not visible over its API, so doctor reads it from disk: the path in
 //! `IMGBRIDGE_CONTAINERD_CONFIG` ([`CONFIG_ENV`]) if set, else the first of
 //! [`CONFIG_PATHS`] that exists.
+//!
+//! On a node with CRI it also checks sharing images with other nodes
+//! through a node-local registry mirror ([`mirror`]).
+
+pub mod mirror;
 
 use std::collections::HashMap;
 use std::fmt::{self, Display};
@@ -436,6 +441,7 @@ async fn upstream_checks(config: &Config, r: &mut Report) -> bool {
             "check that the Introspection service is enabled",
         ),
     }
+    let cri_loaded = matches!(cri, Ok(true));
     match cri {
         Ok(true) => snapshotters(config, &c, r).await,
         Ok(false) => r.pass("snapshotters", "not compared: the CRI plugin is not loaded"),
@@ -443,6 +449,9 @@ async fn upstream_checks(config: &Config, r: &mut Report) -> bool {
             "snapshotters",
             "not compared: cannot tell whether the CRI plugin is loaded",
         ),
+    }
+    if cri_loaded {
+        mirror::checks(&c, parsed, env.as_deref(), &config_candidates(sock), r).await;
     }
     true
 }
