@@ -285,7 +285,20 @@ async fn bdp_pings_straight_to_containerd_are_never_too_many() {
 /// containerd's GOAWAY.
 #[tokio::test]
 async fn bdp_pings_on_released_replies_do_not_get_the_client_sent_away() {
-    let (c, p) = Scenario::cri().start();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let (c, p) = Scenario::cri()
+        .args(&["--metrics-listen", &metrics])
+        .start();
     let target = source(&c).await;
     check(&creates(p.socket(), &target).await);
+    let text = http_get(&metrics, "/metrics").expect("/metrics");
+    let answered = text
+        .lines()
+        .find_map(|l| l.strip_prefix("imgbridge_pings_answered_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(
+        answered > 0,
+        "imgbridge answered no PING itself (imgbridge_pings_answered_total): {text}"
+    );
 }

@@ -14,6 +14,7 @@
 //! | `proxy_streams_in_flight` | gauge | | proxy |
 //! | `proxy_relayed_bytes_total` | counter | | proxy (response DATA bytes, containerd → client) |
 //! | `hpack_desync_total` | counter | | proxy (connections closed: a client's headers no longer decoded) |
+//! | `pings_answered_total` | counter | | proxy (client PINGs answered by imgbridge: a held reply reached the client late) |
 //! | `replications_total` | counter | `outcome`, `target` | replicator ([`ReplicationObserver`]) |
 //! | `replication_duration_seconds` | histogram | | replicator |
 //! | `cri_wait_duration_seconds` | histogram | | replicator |
@@ -159,6 +160,7 @@ pub struct Metrics {
     in_flight: Gauge,
     relayed_bytes: Counter<u64, AtomicU64>,
     hpack_desyncs: Counter,
+    pings_answered: Counter,
     replications: Family<ReplicationLabels, Counter>,
     replication_seconds: Histogram,
     cri_wait_seconds: Histogram,
@@ -196,6 +198,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             relayed_bytes: Counter::default(),
             hpack_desyncs: Counter::default(),
+            pings_answered: Counter::default(),
             replications: Family::default(),
             replication_seconds: Histogram::new(exponential_buckets(0.001, 2.5, 14)),
             cri_wait_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
@@ -225,6 +228,11 @@ impl Metrics {
             "hpack_desync",
             "Client connections closed because imgbridge could no longer decode their request headers (HPACK state diverged), so could not tell which calls to intercept",
             m.hpack_desyncs.clone(),
+        );
+        registry.register(
+            "pings_answered",
+            "Client PINGs imgbridge answered itself because a held reply reached the client late (containerd would have counted them as too many pings)",
+            m.pings_answered.clone(),
         );
         registry.register(
             "proxy_streams_in_flight",
@@ -512,6 +520,10 @@ impl CallObserver for Metrics {
 
     fn hpack_desync(&self) {
         self.hpack_desyncs.inc();
+    }
+
+    fn ping_answered(&self) {
+        self.pings_answered.inc();
     }
 
     fn call_finished(&self, method: &str, grpc_status: Option<i32>) {

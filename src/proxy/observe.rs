@@ -24,6 +24,9 @@ pub trait CallObserver: Send + Sync + std::fmt::Debug + 'static {
     /// HPACK mirror diverged) and closed the connection. Rare: never on the
     /// hot path.
     fn hpack_desync(&self) {}
+    /// imgbridge answered a client PING itself: one containerd would have
+    /// counted against the client because a held reply reached it late.
+    fn ping_answered(&self) {}
 }
 
 /// One observed call; reports [`CallObserver::call_finished`] when dropped,

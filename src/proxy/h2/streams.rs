@@ -332,7 +332,15 @@ impl State {
                 Ok(self.reset(from, head.stream, frame, out))
             }
             frame::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
-            ping::PING => Ok(self.pings.frame(from, head, frame, out)),
+            ping::PING => {
+                let v = self.pings.frame(from, head, frame, out);
+                if v == Verdict::Swallow && from == Side::Client {
+                    if let Some(o) = &self.ctx.observer {
+                        o.ping_answered();
+                    }
+                }
+                Ok(v)
+            }
             frame::SETTINGS if head.stream == 0 => {
                 self.settings(from, head, payload)?;
                 Ok(Verdict::Forward)
