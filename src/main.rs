@@ -236,11 +236,17 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
             imgbridge::containerd::Containerd::new(&c.upstream),
             &a.namespace,
             &a.files,
-            c.import.pin && !a.no_pin,
-            imgbridge::import::archive::Limits {
-                max_decompressed: c.import.max_decompressed_bytes,
-                max_ratio: c.import.max_decompression_ratio,
-                ..Default::default()
+            imgbridge::import::OneShot {
+                pin: c.import.pin && !a.no_pin,
+                limits: imgbridge::import::archive::Limits {
+                    max_decompressed: c.import.max_decompressed_bytes,
+                    max_ratio: c.import.max_decompression_ratio,
+                    ..Default::default()
+                },
+                hosts: imgbridge::import::pull::HostPolicy {
+                    allow: c.import.pull_hosts_allow.clone(),
+                    deny: c.import.pull_hosts_deny.clone(),
+                },
             },
         )
         .await

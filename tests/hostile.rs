@@ -353,6 +353,51 @@ async fn pull_list_host_policy_and_retries() {
     assert!(status.contains("gave up after 2 attempts"), "{status}");
 }
 
+/// `imgbridge import LIST.txt` is no way round the host policy: the
+/// metadata hosts are refused with the reason, and containerd never hears
+/// of them.
+#[tokio::test]
+async fn one_shot_import_refuses_the_same_hosts() {
+    let _serial = SERIAL.lock().await;
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        ..Default::default()
+    });
+    let dir = tempdir("hostile-oneshot-");
+    let list = dir.path().join("hosts.txt");
+    std::fs::write(
+        &list,
+        "169.254.169.254/x/y:1\nmetadata.google.internal/x:1\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+        .args(["import", "--no-pin", "--upstream"])
+        .arg(c.socket())
+        .arg(&list)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    for host in ["169.254.169.254", "metadata.google.internal"] {
+        assert!(
+            count_lines(&stderr, &["pull refused", host]) > 0,
+            "{host} refused\n{stderr}"
+        );
+        assert_eq!(
+            count_lines(&stderr, &["retrying", host]),
+            0,
+            "{host} not retried\n{stderr}"
+        );
+    }
+    let ctd = std::fs::read_to_string(c.log_path()).unwrap_or_default();
+    for host in ["169.254.169.254", "metadata.google.internal"] {
+        assert!(
+            !ctd.contains(host),
+            "containerd was asked to pull from {host}"
+        );
+    }
+}
+
 /// Issue 17.8 (part): a zstd bomb (256 MiB of zeros in a few KiB) stops at
 /// the decompression ratio, long before the 64 GiB cap, and says why.
 #[tokio::test]

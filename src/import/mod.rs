@@ -212,6 +212,16 @@ pub fn supported(path: &Path) -> Option<FileKind> {
         .then_some(FileKind::Archive)
 }
 
+/// How `imgbridge import` treats its files: the same limits and pull host
+/// policy as the watched directories, so a one-shot import is no way round
+/// them.
+#[derive(Clone, Debug, Default)]
+pub struct OneShot {
+    pub pin: bool,
+    pub limits: Limits,
+    pub hosts: pull::HostPolicy,
+}
+
 /// One-shot import for `imgbridge import`: archives (any name; compression
 /// from the bytes) and `.txt` pull lists, each file independent, within
 /// `import.max_decompressed_bytes`.
@@ -219,9 +229,9 @@ pub async fn import_files_with(
     containerd: Containerd,
     ns: &str,
     files: &[PathBuf],
-    pin: bool,
-    limits: Limits,
+    how: OneShot,
 ) -> Report {
+    let OneShot { pin, limits, hosts } = how;
     let mut report = Report::default();
     for f in files {
         let started = Instant::now();
@@ -239,7 +249,7 @@ pub async fn import_files_with(
             tracing::warn!(file = %esc(f.display()), "pull lists are pulled through CRI, which always uses k8s.io");
         }
         if is_list {
-            list_once(&containerd, f, source.as_deref(), &mut r).await;
+            list_once(&containerd, f, source.as_deref(), &hosts, &mut r).await;
         } else {
             let opts = ReadOptions {
                 limits: limits.clone(),
@@ -274,7 +284,13 @@ pub async fn import_files_with(
 }
 
 /// A pull list for the one-shot command: a few quick retries, then give up.
-async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut FileReport) {
+async fn list_once(
+    c: &Containerd,
+    path: &Path,
+    source: Option<&str>,
+    hosts: &pull::HostPolicy,
+    r: &mut FileReport,
+) {
     let list = match pull::read(path) {
         Ok(l) => l,
         Err(e) => {
@@ -289,6 +305,11 @@ async fn list_once(c: &Containerd, path: &Path, source: Option<&str>, r: &mut Fi
         ));
     }
     for reference in &list.refs {
+        if let Err(why) = hosts.check(reference) {
+            r.failures
+                .push(format!("{}: pull refused: {why}", esc(reference)));
+            continue;
+        }
         let mut attempt = 0;
         loop {
             match pull::ensure(c, reference).await {

@@ -112,7 +112,7 @@ pub enum ArchiveError {
     UnsafePath(String),
     #[error("link {0:?} -> {1:?} points outside the archive")]
     UnsafeLink(String, String),
-    #[error("{what} is {size} bytes, over the {limit}-byte limit for metadata")]
+    #[error("entry {what:?} is {size} bytes, over the {limit}-byte limit for metadata")]
     Oversized {
         what: String,
         size: u64,
