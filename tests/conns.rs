@@ -75,14 +75,15 @@ fn raise_nofile() {
 /// 2500 idle connections cost at most 64 KiB each, and VmRSS comes back to
 /// within 20% of its baseline once they have closed.
 ///
-/// Why these bounds hold for a debug build as for a release one: what an
-/// idle connection holds is the same allocations either way (its splice
-/// state, the HPACK tables, two registered sockets; no read buffer, which
-/// is taken only while there is data and given back when it goes idle).
-/// Measured (VmRSS, KiB per idle connection / after close vs baseline):
-/// debug 27 / 1.04, release 25 / 1.03; at 68e586e, which kept a 256 KiB read
-/// buffer per direction (only the touched pages resident) and glibc's
-/// arenas, debug 60 / 2.9 and release 59 / 3.1.
+/// Why these bounds hold for a debug build as for a release one: an idle
+/// connection holds the same allocations either way (its splice state, the
+/// HPACK tables, two registered sockets, no read buffer), and memory goes
+/// back by the allocator's own clock (jemalloc's background purge, ~1 s),
+/// not by how fast the code runs. Measured, KiB per idle connection / VmRSS
+/// after close over baseline: debug 5 / 1.05-1.13x, release 5 / 1.09-1.11x
+/// (back within about 1.5 s). At 68e586e (a 256 KiB read buffer per
+/// direction, glibc's malloc): debug 68-83 / 9.9x, release 84-86 / 15x,
+/// still so 10 s later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_cost_little_and_are_given_back() {
     raise_nofile();
