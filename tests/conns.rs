@@ -80,7 +80,7 @@ fn raise_nofile() {
 /// HPACK tables, two registered sockets, no read buffer), and memory goes
 /// back by the allocator's own clock (jemalloc's background purge, ~1 s),
 /// not by how fast the code runs. Measured, KiB per idle connection / VmRSS
-/// after close over baseline: debug 5 / 1.05-1.13x, release 5 / 1.09-1.11x
+/// after close over baseline: debug 5 / 1.05-1.13x, release 5 / 1.09-1.13x
 /// (back within about 1.5 s). At 68e586e (a 256 KiB read buffer per
 /// direction, glibc's malloc): debug 68-83 / 9.9x, release 84-86 / 15x,
 /// still so 10 s later.
