@@ -34,9 +34,26 @@ fn rss_kib(pid: u32) -> u64 {
     status_kib(pid, "VmRSS:")
 }
 
-fn open_fds(pid: u32) -> usize {
+/// Client connections `pid` still holds on its listening socket `sock`:
+/// accepted sockets carry the listener's path in /proc/net/unix.
+fn held_clients(pid: u32, sock: &Path) -> usize {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let inodes: std::collections::HashSet<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Num RefCount Protocol Flags Type St Inode Path; 00010000 = listening
+            (f.len() == 8 && Path::new(f[7]) == sock && f[3] != "00010000")
+                .then(|| format!("socket:[{}]", f[6]))
+        })
+        .collect();
     std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter(|l| inodes.contains(l.to_str().unwrap_or("")))
+                .count()
+        })
         .unwrap_or(0)
 }
 
@@ -93,9 +110,8 @@ async fn idle_connections_cost_little_and_are_given_back() {
     // Warm up: the runtime's worker threads and every lazily built thing a
     // call needs exist from here on, as in a daemon that has served before.
     drop(open(p.socket(), 64).await);
-    let fds = open_fds(pid);
     let closed = poll(Duration::from_secs(10), || {
-        (open_fds(pid) <= fds).then_some(())
+        (held_clients(pid, p.socket()) == 0).then_some(())
     });
     assert!(closed.is_some(), "warm-up connections never closed");
     let base = rss_kib(pid);
@@ -104,18 +120,19 @@ async fn idle_connections_cost_little_and_are_given_back() {
     let conns = open(p.socket(), CONNS).await;
     let opened = t.elapsed();
     let held = rss_kib(pid);
+    assert_eq!(held_clients(pid, p.socket()), CONNS, "connections held");
     let per_conn = held.saturating_sub(base) / CONNS as u64;
     eprintln!(
         "VmRSS baseline {base} KiB; {CONNS} idle connections (opened in {opened:?}): {held} KiB, {per_conn} KiB each"
     );
     drop(conns);
     let gone = poll(Duration::from_secs(10), || {
-        (open_fds(pid) <= fds).then_some(())
+        (held_clients(pid, p.socket()) == 0).then_some(())
     });
     assert!(
         gone.is_some(),
-        "imgbridge still holds {} descriptors (baseline {fds}) after the clients closed",
-        open_fds(pid)
+        "imgbridge still holds {} client connections after the clients closed",
+        held_clients(pid, p.socket())
     );
     let bound = (base as f64 * AFTER_CLOSE) as u64;
     let t = Instant::now();
@@ -125,7 +142,7 @@ async fn idle_connections_cost_little_and_are_given_back() {
     });
     let now = rss_kib(pid);
     eprintln!(
-        "after close: VmRSS {now} KiB ({:.2}x baseline) {:?} after the descriptors were closed",
+        "after close: VmRSS {now} KiB ({:.2}x baseline) {:?} after imgbridge closed them",
         now as f64 / base as f64,
         t.elapsed()
     );
