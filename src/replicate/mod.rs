@@ -9,6 +9,7 @@
 
 pub mod commit;
 mod delete;
+mod distribution;
 pub mod hooks;
 mod locks;
 pub mod observe;
@@ -33,18 +34,26 @@ use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
-    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, GC_REF_CONTENT, IMPORT,
-    PINNED, PINNED_VALUE, SOURCE,
+    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, DISTRIBUTION_SOURCE, EXPIRE,
+    GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
-/// The labels of `want` that `have` lacks or holds with another value.
+/// The labels of `want` that `have` lacks or holds with another value (a
+/// distribution-source label: `have`'s repositories plus ours).
 fn missing_labels(
     want: HashMap<String, String>,
     have: &containerd_client::services::v1::Info,
 ) -> HashMap<String, String> {
     want.into_iter()
-        .filter(|(k, v)| have.labels.get(k) != Some(v))
+        .filter_map(|(k, v)| {
+            let had = have.labels.get(&k);
+            let v = match had {
+                Some(h) if k.starts_with(DISTRIBUTION_SOURCE) => distribution::merge(h, &v),
+                _ => v,
+            };
+            (had != Some(&v)).then_some((k, v))
+        })
         .collect()
 }
 
@@ -525,7 +534,9 @@ impl Replicator {
         image: &str,
         root: &Descriptor,
     ) -> Result<(Arc<Walked>, bool), ctrd::Error> {
-        let key = format!("{source}\0{target}\0{}", root.digest);
+        // Another repository's name walks again: its blobs need its label.
+        let repo = distribution::source(image).unwrap_or_default().1;
+        let key = format!("{source}\0{target}\0{repo}\0{}", root.digest);
         let _walking = self.walk_locks.lock(key.clone()).await;
         if let Some(w) = lock(&self.walked)
             .get(&key)
@@ -580,7 +591,7 @@ impl Replicator {
                 let Some((c, probe)) = queue.pop() else { break };
                 if seen.insert(c.digest.clone()) {
                     running.push(Box::pin(async move {
-                        let r = self.inspect(source, target, &c, probe).await;
+                        let r = self.inspect(source, target, image, &c, probe).await;
                         Step::Inspected(c, r)
                     }));
                 }
@@ -622,6 +633,7 @@ impl Replicator {
         &self,
         source: &str,
         target: &str,
+        image: &str,
         c: &Child,
         probe: bool,
     ) -> Result<Visit, ctrd::Error> {
@@ -661,6 +673,10 @@ impl Replicator {
             if !labels.keys().any(|k| k.starts_with(GC_REF_CONTENT)) {
                 labels.extend(n.gc_labels());
             }
+        }
+        if let Some((k, repo)) = distribution::source(image) {
+            let have = labels.remove(&k).unwrap_or_default();
+            labels.insert(k, distribution::merge(&have, &repo));
         }
         let mut v = Visit::default();
         match in_target? {

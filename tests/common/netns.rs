@@ -123,8 +123,18 @@ impl NodePair {
         // Created straight inside the namespaces, so the names cannot clash
         // with the host's links or another pair's.
         ip(&[
-            "link", "add", "veth0", "netns", &pair.a.name, "type", "veth", "peer", "name", "veth0",
-            "netns", &pair.b.name,
+            "link",
+            "add",
+            "veth0",
+            "netns",
+            &pair.a.name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "veth0",
+            "netns",
+            &pair.b.name,
         ]);
         for n in [&pair.a, &pair.b] {
             n.ip(&["link", "set", "lo", "up"]);
@@ -182,6 +192,8 @@ fn sweep_stale_namespaces() {
 pub const SPEGEL_REGISTRY_PORT: u16 = 5000;
 /// Spegel's p2p router port.
 pub const SPEGEL_ROUTER_PORT: u16 = 5001;
+/// Where each spegel serves its own peer id for the HTTP bootstrapper.
+pub const SPEGEL_BOOTSTRAP_PORT: u16 = 5002;
 const SPEGEL_METRICS_PORT: u16 = 9090;
 
 /// The hosts.toml that routes a registry through the node's own spegel, as
@@ -207,10 +219,13 @@ pub struct Spegel {
 
 impl Spegel {
     /// Starts spegel in `node` on `containerd`'s socket and content dir,
-    /// bootstrapping statically from `peer_addr` (the other node's address;
-    /// spegel learns its id on the first dial). `extra` goes on the command
-    /// line as is (e.g. `--resolve-tags=false` is for `configuration`, not
-    /// here). Returns `None` when peers are skipped.
+    /// bootstrapping over HTTP from `peer_addr` (the other node: spegel
+    /// fetches its peer id from `http://<peer>:5002/id` and retries with
+    /// backoff until it answers, and serves its own there). No Kubernetes
+    /// API; the static bootstrapper would need every peer's id up front
+    /// (`/ip4/…/tcp/…/p2p/<id>`: without it spegel exits with "invalid p2p
+    /// multiaddr"). `extra` goes on the command line as is. Returns `None`
+    /// when peers are skipped.
     pub fn start(
         node: &Netns,
         containerd_sock: &Path,
@@ -238,9 +253,10 @@ impl Spegel {
                     .display()
             ))
             .arg(format!("--data-dir={}", dir.path().join("data").display()))
-            .arg("--bootstrap-kind=static")
+            .arg("--bootstrap-kind=http")
+            .arg(format!("--http-bootstrap-addr={a}:{SPEGEL_BOOTSTRAP_PORT}"))
             .arg(format!(
-                "--static-bootstrap-peers=/ip4/{peer_addr}/tcp/{SPEGEL_ROUTER_PORT}"
+                "--http-bootstrap-peer=http://{peer_addr}:{SPEGEL_BOOTSTRAP_PORT}"
             ))
             .arg("--log-level=DEBUG")
             .args(extra)
@@ -249,8 +265,11 @@ impl Spegel {
         let addr = format!("{a}:{SPEGEL_REGISTRY_PORT}");
         // Serving: /livez answers (readiness needs the other node too; see
         // [`Spegel::wait_peered`]).
-        let live = node_http_status(node, &addr, "/livez");
-        match daemon.wait_ready(|| live() == Some(200)) {
+        let ready = {
+            let live = node_http_status(node, &addr, "/livez");
+            daemon.wait_ready(|| live() == Some(200))
+        };
+        match ready {
             Ok(()) => {}
             Err(NotReady::Exited(st)) => panic!("spegel exited ({st}):\n{}", daemon.log_tail(40)),
             Err(NotReady::TimedOut) => panic!("spegel not serving:\n{}", daemon.log_tail(40)),
@@ -261,11 +280,11 @@ impl Spegel {
     /// Waits until spegel's `/readyz` says its router has a peer and the
     /// bootstrap is done (how the Helm chart's readiness probe decides).
     pub fn wait_peered(&mut self, node: &Netns) {
-        let ready = node_http_status(node, &self.addr, "/readyz");
-        if let Err(e) = self.daemon.wait_ready(|| ready() == Some(200)) {
+        let addr = self.addr.clone();
+        let ready = node_http_status(node, &addr, "/readyz");
+        if self.daemon.wait_ready(|| ready() == Some(200)).is_err() {
             panic!(
-                "spegel at {} never ready ({e:?}):\n{}",
-                self.addr,
+                "spegel at {addr} never ready (exited, or not within the ready timeout):\n{}",
                 self.daemon.log_tail(40)
             );
         }
@@ -288,11 +307,23 @@ impl Spegel {
 /// A probe of `http://<addr><path>` from inside `node`: the status code, or
 /// `None` when nothing answers. Uses curl (spegel listens only in its
 /// namespace).
-fn node_http_status<'a>(node: &'a Netns, addr: &'a str, path: &'a str) -> impl Fn() -> Option<u16> + 'a {
+fn node_http_status<'a>(
+    node: &'a Netns,
+    addr: &'a str,
+    path: &'a str,
+) -> impl Fn() -> Option<u16> + 'a {
     move || {
         let mut c = Command::new("curl");
-        c.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "2"])
-            .arg(format!("http://{addr}{path}"));
+        c.args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "2",
+        ])
+        .arg(format!("http://{addr}{path}"));
         let out = try_output_with_timeout(node.wrap(c), std::time::Duration::from_secs(5)).ok()?;
         String::from_utf8_lossy(&out.stdout)
             .trim()
