@@ -311,3 +311,72 @@ fn build_on_one_node_runs_on_the_other_through_spegel() {
     }
     eprintln!("{report}");
 }
+
+/// What spegel needs from a replica, on every containerd of the matrix
+/// (the two-node test above runs on 2.x only): every blob of the replica
+/// in `k8s.io` (index or manifest, config, layers) is present and carries
+/// `containerd.io/distribution.source.<registry>=<repository>`, and the
+/// `name@sha256` record exists. Without the label spegel serves the tag and
+/// then 404s every digest.
+#[test]
+fn replica_blobs_carry_what_spegel_advertises() {
+    let (c, p) = Scenario::cri().start();
+    let img = TestImage::hello("spegel-labels:1");
+    ctr_import(p.socket(), "buildkit", &img.docker_archive());
+    let name = img.normalized();
+    let (_, path) = name
+        .strip_prefix("docker.io/")
+        .and_then(|r| r.rsplit_once(':'))
+        .map(|(repo, tag)| (tag, repo))
+        .expect("docker.io name");
+    let key = "containerd.io/distribution.source.docker.io";
+    let listed = c.ctr_ok("k8s.io", ["images", "ls"]);
+    let target = listed
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .unwrap_or_else(|| panic!("no replica {name} in k8s.io:\n{listed}"))
+        .to_string();
+    assert!(
+        listed.lines().any(|l| l
+            .split_whitespace()
+            .next()
+            .is_some_and(|n| n == format!("docker.io/{path}@{target}"))),
+        "no name@digest record for {name}:\n{listed}"
+    );
+    let content = c.ctr_ok("k8s.io", ["content", "ls"]);
+    let labels_of = |d: &str| -> String {
+        content
+            .lines()
+            .find(|l| l.starts_with(d))
+            .unwrap_or_else(|| panic!("blob {d} not in k8s.io:\n{content}"))
+            .to_string()
+    };
+    let mut blobs = vec![target.clone()];
+    let mut i = 0;
+    while i < blobs.len() {
+        let v: serde_json::Value =
+            serde_json::from_str(&c.ctr_ok("k8s.io", ["content", "get", &blobs[i]]))
+                .unwrap_or_else(|_| serde_json::Value::Null);
+        for m in v["manifests"].as_array().into_iter().flatten() {
+            blobs.extend(m["digest"].as_str().map(String::from));
+        }
+        blobs.extend(v["config"]["digest"].as_str().map(String::from));
+        for l in v["layers"].as_array().into_iter().flatten() {
+            blobs.extend(l["digest"].as_str().map(String::from));
+        }
+        // Layers are not JSON: only the first two levels are read.
+        if v.is_null() {
+            break;
+        }
+        i += 1;
+    }
+    assert!(blobs.len() >= 3, "manifest, config and a layer: {blobs:?}");
+    for d in &blobs {
+        let line = labels_of(d);
+        assert!(
+            line.contains(&format!("{key}={path}")),
+            "replica blob {d} lacks {key}={path}: {line}"
+        );
+    }
+}
