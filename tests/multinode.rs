@@ -210,14 +210,17 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
     sorted[i]
 }
 
-fn summary(what: &str, mut d: Vec<Duration>) -> String {
+/// One row of the report: p50/p99/max of `d` in ms.
+fn row(dir: &str, path: &str, mut d: Vec<Duration>, retries: Option<u32>) -> String {
     d.sort();
+    let ms = |d: Duration| d.as_millis();
     format!(
-        "{what:<44} n={:<3} p50 {:>6} ms  p99 {:>6} ms  max {:>6} ms",
+        "  {dir:<4} {path:<34} {:>3} {:>7} {:>7} {:>7} {:>8}\n",
         d.len(),
-        pct(&d, 0.5).as_millis(),
-        pct(&d, 0.99).as_millis(),
-        d.last().unwrap().as_millis()
+        ms(pct(&d, 0.5)),
+        ms(pct(&d, 0.99)),
+        ms(*d.last().unwrap()),
+        retries.map_or("-".to_string(), |r| r.to_string()),
     )
 }
 
@@ -291,19 +294,31 @@ fn build_on_one_node_runs_on_the_other_through_spegel() {
             }
         }
     }
-    let mut report = String::from("multinode: build done → container running on the other node\n");
+    let mut report = format!(
+        "multinode: containerd {}, {rounds} rounds each way: build done → container running on the other node (ms)\n  {:<4} {:<34} {:>3} {:>7} {:>7} {:>7} {:>8}\n",
+        flavor().version,
+        "dir",
+        "path",
+        "n",
+        "p50",
+        "p99",
+        "max",
+        "retries"
+    );
     for (dir, label) in ["A→B", "B→A"].into_iter().enumerate() {
-        report += &summary(
-            &format!("  {label} spegel (crictl pull, pod)"),
+        report += &row(
+            label,
+            "spegel (crictl pull, pod)",
             spegel_times[dir].clone(),
+            Some(retries[dir]),
         );
-        report += &format!("  (pull retries {})\n", retries[dir]);
         if baseline {
-            report += &summary(
-                &format!("  {label} export|import (kind load), pod"),
+            report += &row(
+                label,
+                "export | import (kind load), pod",
                 load_times[dir].clone(),
+                None,
             );
-            report += "\n";
         }
     }
     for s in &stale {

@@ -1,8 +1,15 @@
 //! The distribution-source content label on a replica's blobs: registry
 //! mirrors that serve what a node holds (spegel, k3s's embedded mirror)
-//! advertise a blob only under the repositories this label names, so a
-//! replica built locally (no pull ever wrote the label) would be served by
-//! tag but none of its blobs (spegel-org/spegel#1096, k3s-io/k3s#13222).
+//! advertise a blob only if it names a registry, so a replica built locally
+//! (no pull ever wrote the label) would be served by tag but none of its
+//! blobs (spegel-org/spegel#1096, k3s-io/k3s#13222).
+//!
+//! One repository per registry is enough: spegel advertises the digest
+//! (the repository only feeds its registry filters). So a label already
+//! there (a pull's, or another replica's) is kept, never extended: a blob
+//! shared by many names would otherwise outgrow containerd's 4096-byte
+//! label limit (200 tags of one image did), and two names replicated at
+//! once would keep rewriting it.
 
 use crate::labels::DISTRIBUTION_SOURCE;
 use crate::reference::Reference;
@@ -12,19 +19,6 @@ use crate::reference::Reference;
 pub(super) fn source(image: &str) -> Option<(String, String)> {
     let r = Reference::parse(image).ok()?;
     Some((format!("{DISTRIBUTION_SOURCE}.{}", r.domain), r.path))
-}
-
-/// `a` and `b` (comma-separated repository lists) as one sorted list without
-/// duplicates, as containerd writes the label.
-pub(super) fn merge(a: &str, b: &str) -> String {
-    let mut all: Vec<&str> = a
-        .split(',')
-        .chain(b.split(','))
-        .filter(|r| !r.is_empty())
-        .collect();
-    all.sort_unstable();
-    all.dedup();
-    all.join(",")
 }
 
 #[cfg(test)]
@@ -49,14 +43,5 @@ mod tests {
             )
         );
         assert_eq!(source("Not A Name"), None);
-    }
-
-    #[test]
-    fn repositories_merge_sorted_once() {
-        assert_eq!(
-            merge("library/b,library/a", "library/a"),
-            "library/a,library/b"
-        );
-        assert_eq!(merge("", "library/a"), "library/a");
     }
 }

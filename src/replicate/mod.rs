@@ -39,20 +39,16 @@ use crate::labels::{
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
-/// The labels of `want` that `have` lacks or holds with another value (a
-/// distribution-source label: `have`'s repositories plus ours).
+/// The labels of `want` that `have` lacks or holds with another value; a
+/// distribution-source label `have` has for the registry is kept as it is.
 fn missing_labels(
     want: HashMap<String, String>,
     have: &containerd_client::services::v1::Info,
 ) -> HashMap<String, String> {
     want.into_iter()
-        .filter_map(|(k, v)| {
-            let had = have.labels.get(&k);
-            let v = match had {
-                Some(h) if k.starts_with(DISTRIBUTION_SOURCE) => distribution::merge(h, &v),
-                _ => v,
-            };
-            (had != Some(&v)).then_some((k, v))
+        .filter(|(k, v)| match have.labels.get(k) {
+            Some(_) if k.starts_with(DISTRIBUTION_SOURCE) => false,
+            h => h != Some(v),
         })
         .collect()
 }
@@ -534,9 +530,7 @@ impl Replicator {
         image: &str,
         root: &Descriptor,
     ) -> Result<(Arc<Walked>, bool), ctrd::Error> {
-        // Another repository's name walks again: its blobs need its label.
-        let repo = distribution::source(image).unwrap_or_default().1;
-        let key = format!("{source}\0{target}\0{repo}\0{}", root.digest);
+        let key = format!("{source}\0{target}\0{}", root.digest);
         let _walking = self.walk_locks.lock(key.clone()).await;
         if let Some(w) = lock(&self.walked)
             .get(&key)
@@ -675,8 +669,7 @@ impl Replicator {
             }
         }
         if let Some((k, repo)) = distribution::source(image) {
-            let have = labels.remove(&k).unwrap_or_default();
-            labels.insert(k, distribution::merge(&have, &repo));
+            labels.entry(k).or_insert(repo);
         }
         let mut v = Visit::default();
         match in_target? {
