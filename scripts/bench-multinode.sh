@@ -73,4 +73,4 @@ if ((rc != 0)) || ! grep -q '^multinode:' "$out"; then
     tail -n 60 "$out" >&2
     die "the scenario failed (exit $rc)"
 fi
-grep -E '^(multinode:|  )' "$out" | grep -v '^  *[0-9]*: ' || true
+grep -E '^(multinode:|  |node [AB]: )' "$out" | grep -v '^  *[0-9]*: ' || true
