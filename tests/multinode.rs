@@ -389,7 +389,7 @@ fn replica_blobs_carry_what_spegel_advertises() {
     while i < blobs.len() {
         let v: serde_json::Value =
             serde_json::from_str(&c.ctr_ok("k8s.io", ["content", "get", &blobs[i]]))
-                .unwrap_or_else(|_| serde_json::Value::Null);
+                .unwrap_or(serde_json::Value::Null);
         for m in v["manifests"].as_array().into_iter().flatten() {
             blobs.extend(m["digest"].as_str().map(String::from));
         }
