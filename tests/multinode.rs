@@ -5,23 +5,24 @@
 //! ([`NodePair`]: a veth pair, 198.18.0.1 and .2, nothing routed out), each
 //! with its own containerd (CRI, `discard_unpacked_layers = false`, registry
 //! `config_path` whose `docker.io/hosts.toml` names only the node's own
-//! spegel), its own spegel (static bootstrap from the other node: no
+//! spegel), its own spegel (HTTP bootstrap from the other node: no
 //! Kubernetes API), its own imgbridge and a buildkitd writing through that
 //! imgbridge into namespace `buildkit`. crictl on a node's containerd socket
-//! stands in for its kubelet.
+//! stands in for its kubelet. containerd 2.x only (see the skip below).
 //!
 //! A round: build `docker.io/library/app:dev` with new content on one node;
-//! the moment buildctl returns, the other node pulls it by that name (what
-//! kubelet does for `imagePullPolicy: Always`; a pull that does not resolve
-//! yet is retried at once, as a polled wait with a deadline, and counted)
-//! and a pod prints the new content. Rounds alternate A→B and B→A, so each
-//! node's tag is rebuilt by the other while it still holds the previous
-//! image (the stale-tag trap, see the report in `docs/`).
+//! the moment buildctl returns, the other node pulls it (what kubelet does
+//! for `imagePullPolicy: Always`; a pull that does not resolve yet is
+//! repeated at once, as a polled wait with a deadline, and counted) and a
+//! pod prints the new content. The first pull is by tag; after that each
+//! node holds the tag, which its spegel answers from its own store, so
+//! rebuilds are pulled by `app:dev@sha256:…` (and the stale tag is shown
+//! once). Rounds alternate A→B and B→A.
 //!
 //! `IMGBRIDGE_MULTINODE_ROUNDS` (default 3) rounds each way;
-//! `IMGBRIDGE_MULTINODE_BASELINE=1` also times, per round, what `kind load`
-//! does instead (`ctr -n buildkit images export | ctr -n k8s.io images
-//! import` into the other node) and prints both side by side
+//! `IMGBRIDGE_MULTINODE_BASELINE=1` then times as many rounds of what
+//! `kind load` does instead (`ctr -n buildkit images export | ctr -n k8s.io
+//! images import` into the other node) and prints both side by side
 //! (scripts/bench-multinode.sh). `IMGBRIDGE_MULTINODE_DIRECT=1` builds
 //! straight into containerd (buildkitd on its socket, imgbridge not in the
 //! path): the test must then fail, node B cannot get the image.
@@ -172,8 +173,8 @@ impl Cluster {
         let direct = std::env::var_os("IMGBRIDGE_MULTINODE_DIRECT").is_some_and(|v| v == "1");
         let (ca, cb) = (Node::containerd(&net.a), Node::containerd(&net.b));
         // Both spegels back to back: each bootstraps from the other.
-        let mut sa = Spegel::start(&net.a, ca.socket(), &ca.root(), net.b.addr(), &[])?;
-        let mut sb = Spegel::start(&net.b, cb.socket(), &cb.root(), net.a.addr(), &[])?;
+        let mut sa = Spegel::start(&net.a, ca.socket(), &ca.root(), net.b.addr())?;
+        let mut sb = Spegel::start(&net.b, cb.socket(), &cb.root(), net.a.addr())?;
         sa.wait_peered(&net.a);
         sb.wait_peered(&net.b);
         let a = Node::start("A", ca, sa, direct)?;

@@ -224,14 +224,12 @@ impl Spegel {
     /// backoff until it answers, and serves its own there). No Kubernetes
     /// API; the static bootstrapper would need every peer's id up front
     /// (`/ip4/…/tcp/…/p2p/<id>`: without it spegel exits with "invalid p2p
-    /// multiaddr"). `extra` goes on the command line as is. Returns `None`
-    /// when peers are skipped.
+    /// multiaddr"). Returns `None` when peers are skipped.
     pub fn start(
         node: &Netns,
         containerd_sock: &Path,
         containerd_root: &Path,
         peer_addr: &str,
-        extra: &[&str],
     ) -> Option<Spegel> {
         let peer = peers::peer("spegel")?;
         let dir = tempdir("spegel-");
@@ -259,7 +257,6 @@ impl Spegel {
                 "--http-bootstrap-peer=http://{peer_addr}:{SPEGEL_BOOTSTRAP_PORT}"
             ))
             .arg("--log-level=DEBUG")
-            .args(extra)
             .current_dir(dir.path());
         let mut daemon = Daemon::spawn("spegel", node.wrap(cmd), &dir.path().join("spegel.log"));
         let addr = format!("{a}:{SPEGEL_REGISTRY_PORT}");
