@@ -4,9 +4,10 @@
 # module per peer, see tests/peers/README.md), each set in its own bin dir,
 # cached outside the repo and reused across runs.
 #
-#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl)
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel)
 #       stdout, one line per name: <name> <version> <absolute bindir>
-#       bindir holds buildkitd + buildctl (buildkit), nerdctl, or crictl.
+#       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl, or
+#       spegel.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -25,13 +26,16 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 peers_cache="$cache_root/peers"
-all_names=(buildkit nerdctl crictl)
+all_names=(buildkit nerdctl crictl spegel)
 
 log() { echo "peers: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 # shellcheck source=scripts/lib/gobuild.sh
 . "$repo_root/scripts/lib/gobuild.sh"
+# gobuild.sh lists the peers it knew of when written; spegel is one more
+# (so `versions` prints its pin too).
+[[ " ${gobuild_peer_names[*]} " == *" spegel "* ]] || gobuild_peer_names+=(spegel)
 
 # Sets $module, $binaries and $units (see scripts/lib/gobuild.sh) for peer
 # $1 at version $2, with the flags of upstream's release builds:
@@ -43,6 +47,14 @@ die() { log "ERROR: $*"; exit 1; }
 #             pkg/version.Version=... -X pkg/version.Revision=...".
 #   crictl    hack/release.sh under the Makefile's GOFLAGS=-trimpath:
 #             CGO_ENABLED=0, -X pkg/version.Version=<tag>.
+#   spegel    .goreleaser.yaml: CGO_ENABLED=0, ldflags "-s -w", flags
+#             -trimpath -a; -a is left out here: it only forces every package
+#             (the standard library too) to be recompiled, the binary is the
+#             same, and that would cost minutes of the shared cores. It sets
+#             no version by ldflags: `spegel version` prints one only from VCS
+#             build info, which a build from the module proxy has not (it
+#             prints "spegel version  "), so check_peer reads the spegel
+#             module's version from the binary's build info (`go version -m`).
 # Revision stays unset: the module proxy carries no commit id (buildkit
 # prints an empty revision, nerdctl "<unknown>").
 peer_spec() { # name version
@@ -67,16 +79,27 @@ peer_spec() { # name version
             binaries=(crictl)
             units=("0||-X $module/pkg/version.Version=$ver|-trimpath|$module/cmd/crictl")
             ;;
+        spegel)
+            module=github.com/spegel-org/spegel
+            binaries=(spegel)
+            units=("0||-s -w|-trimpath|$module")
+            ;;
         *) die "unknown peer '$1' (known: ${all_names[*]})" ;;
     esac
 }
 
 # Each binary must run and report the pinned version in --version (nerdctl
 # prints it without the leading "v").
-check_peer() { # bindir; uses $name $ver $binaries
+check_peer() { # bindir; uses $name $ver $binaries $module
     local b out
     for b in "${binaries[@]}"; do
         [[ -x "$1/$b" ]] || die "peer $name: $1/$b missing"
+        if [[ "$name" == spegel ]]; then
+            "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
+            out="$("$(gobuild_find_go)" version -m "$1/$b" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m { print $3 }')"
+            [[ "$out" == "$ver" ]] || die "peer $name: $1/$b links $module '$out', expected $ver"
+            continue
+        fi
         out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"
         [[ " $out " == *" $ver "* || " $out " == *" ${ver#v} "* ]] ||
             die "peer $name: $1/$b --version prints '$out', expected $ver"

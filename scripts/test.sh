@@ -75,12 +75,12 @@ scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
 echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
 
-# The real clients (buildkitd, buildctl, nerdctl, crictl), built once into
+# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel), built once into
 # their cache; the tests that need them use the same builds.
 # IMGBRIDGE_SKIP_PEERS=1 skips both the builds and those tests (a quick
 # local loop only: CI never sets it).
 if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" == "1" ]]; then
-    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl and crictl tests will not run"
+    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl and spegel (multinode) tests will not run"
 else
     stage_start=$SECONDS
     echo "==> peers: scripts/peers.sh fetch"

@@ -40,6 +40,11 @@ pub const EXPIRE: &str = "containerd.io/gc.expire";
 /// (`<prefix>.m.<i>`, `<prefix>.config`, `<prefix>.l.<i>`, as
 /// `images.ChildGCLabels` writes them).
 pub const GC_REF_CONTENT: &str = "containerd.io/gc.ref.content";
+/// Prefix of the content label naming where a blob can be fetched:
+/// `<prefix>.<registry host>` = comma-separated repositories (containerd's
+/// pull handlers write it). spegel advertises a blob only if it has one,
+/// so a replica's blobs carry it for the image's own repository.
+pub const DISTRIBUTION_SOURCE: &str = "containerd.io/distribution.source";
 /// Namespace label naming the namespace's default snapshotter.
 pub const DEFAULT_SNAPSHOTTER: &str = "containerd.io/defaults/snapshotter";
 

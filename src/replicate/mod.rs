@@ -9,6 +9,7 @@
 
 pub mod commit;
 mod delete;
+mod distribution;
 pub mod hooks;
 mod locks;
 pub mod observe;
@@ -33,18 +34,22 @@ use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
-    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, GC_REF_CONTENT, IMPORT,
-    PINNED, PINNED_VALUE, SOURCE,
+    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, DISTRIBUTION_SOURCE, EXPIRE,
+    GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
-/// The labels of `want` that `have` lacks or holds with another value.
+/// The labels of `want` that `have` lacks or holds with another value; a
+/// distribution-source label `have` has for the registry is kept as it is.
 fn missing_labels(
     want: HashMap<String, String>,
     have: &containerd_client::services::v1::Info,
 ) -> HashMap<String, String> {
     want.into_iter()
-        .filter(|(k, v)| have.labels.get(k) != Some(v))
+        .filter(|(k, v)| match have.labels.get(k) {
+            Some(_) if k.starts_with(DISTRIBUTION_SOURCE) => false,
+            h => h != Some(v),
+        })
         .collect()
 }
 
@@ -578,7 +583,7 @@ impl Replicator {
                 let Some((c, probe)) = queue.pop() else { break };
                 if seen.insert(c.digest.clone()) {
                     running.push(Box::pin(async move {
-                        let r = self.inspect(source, target, &c, probe).await;
+                        let r = self.inspect(source, target, image, &c, probe).await;
                         Step::Inspected(c, r)
                     }));
                 }
@@ -620,6 +625,7 @@ impl Replicator {
         &self,
         source: &str,
         target: &str,
+        image: &str,
         c: &Child,
         probe: bool,
     ) -> Result<Visit, ctrd::Error> {
@@ -659,6 +665,9 @@ impl Replicator {
             if !labels.keys().any(|k| k.starts_with(GC_REF_CONTENT)) {
                 labels.extend(n.gc_labels());
             }
+        }
+        if let Some((k, repo)) = distribution::source(image) {
+            labels.entry(k).or_insert(repo);
         }
         let mut v = Visit::default();
         match in_target? {

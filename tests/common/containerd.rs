@@ -20,6 +20,15 @@ pub struct ContainerdOpts {
     pub isolated: bool,
     /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
     pub registry_mirror: Option<String>,
+    /// Run containerd (and so its shims and host-network pods) inside this
+    /// network namespace (`/run/netns/<name>`), see [`super::netns`].
+    pub netns: Option<PathBuf>,
+    /// With `cri`: `(registry host, hosts.toml)` pairs written under the
+    /// registry `config_path` (`<dir>/certs.d`), which every version then
+    /// names, with `discard_unpacked_layers = false` (a node that serves its
+    /// layers to others must keep them). Not with `registry_mirror` (1.x
+    /// refuses `mirrors` next to `config_path`).
+    pub registry_hosts: Vec<(String, String)>,
 }
 
 /// A private containerd (the [`flavor`] under test) on sockets in its own temp dir.
@@ -42,7 +51,7 @@ impl Containerd {
         let ttrpc = d.join("containerd.sock.ttrpc");
         let config = d.join("config.toml");
         fs::write(&config, containerd_config(d, &opts)).expect("write containerd config");
-        let daemon = Self::spawn(&config, &sock, d);
+        let daemon = Self::spawn(&config, &sock, d, opts.netns.as_deref());
         let mut c = Containerd {
             opts,
             daemon,
@@ -67,12 +76,15 @@ impl Containerd {
         c
     }
 
-    fn spawn(config: &Path, sock: &Path, dir: &Path) -> Daemon {
+    fn spawn(config: &Path, sock: &Path, dir: &Path, netns: Option<&Path>) -> Daemon {
         let mut cmd = flavor().command("containerd");
         cmd.arg("--config").arg(config);
         // Keep containerd away from any system-wide client settings.
         cmd.env_remove("CONTAINERD_ADDRESS")
             .env_remove("CONTAINERD_NAMESPACE");
+        if let Some(ns) = netns {
+            cmd = super::netns::wrap_in(ns, cmd);
+        }
         let mut addrs = SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner());
         if !addrs.iter().any(|a| a == sock) {
             addrs.push(sock.to_path_buf());
@@ -204,7 +216,12 @@ impl Containerd {
         if self.daemon.running() {
             self.stop();
         }
-        self.daemon = Self::spawn(&self.config, &self.sock, self.dir.path());
+        self.daemon = Self::spawn(
+            &self.config,
+            &self.sock,
+            self.dir.path(),
+            self.opts.netns.as_deref(),
+        );
         self.wait_ready();
         if self.opts.cri {
             self.wait_cri_ready();
@@ -371,6 +388,12 @@ disabled_plugins = [{disabled}]
     let snap = snapshotter();
     let runc_root = p("runc");
     let (cni_bin, cni_conf) = (p("cni/bin"), p("cni/net.d"));
+    // Only with registry_hosts, so every other config stays as it was.
+    let discard = match (opts.registry_hosts.is_empty(), v2) {
+        (true, _) => "",
+        (false, true) => "    discard_unpacked_layers = false\n",
+        (false, false) => "      discard_unpacked_layers = false\n",
+    };
     if v2 {
         let certs = d.join("certs.d");
         if let Some(mirror) = &opts.registry_mirror {
@@ -385,6 +408,7 @@ disabled_plugins = [{disabled}]
             )
             .expect("write hosts.toml");
         }
+        write_registry_hosts(&certs, opts);
         cfg.push_str(&format!(
             r#"  # NRI is on by default in 2.x; its socket would be shared by
   # every containerd of the test process.
@@ -395,7 +419,7 @@ disabled_plugins = [{disabled}]
     stream_server_port = "0"
   [plugins."io.containerd.cri.v1.images"]
     snapshotter = "{snap}"
-    [plugins."io.containerd.cri.v1.images".pinned_images]
+{discard}    [plugins."io.containerd.cri.v1.images".pinned_images]
       sandbox = "{PAUSE_IMAGE}"
     [plugins."io.containerd.cri.v1.images".registry]
       config_path = "{certs}"
@@ -427,7 +451,7 @@ disabled_plugins = [{disabled}]
     stream_server_port = "0"
     [plugins."io.containerd.grpc.v1.cri".containerd]
       snapshotter = "{snap}"
-      default_runtime_name = "runc"
+{discard}      default_runtime_name = "runc"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
         runtime_type = "io.containerd.runc.v2"
         [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
@@ -445,5 +469,28 @@ disabled_plugins = [{disabled}]
 "#
         ));
     }
+    if !opts.registry_hosts.is_empty() {
+        let certs = d.join("certs.d");
+        write_registry_hosts(&certs, opts);
+        cfg.push_str(&format!(
+            r#"    [plugins."io.containerd.grpc.v1.cri".registry]
+      config_path = "{certs}"
+"#,
+            certs = certs.display(),
+        ));
+    }
     cfg
+}
+
+/// Writes `opts.registry_hosts` as `<certs>/<registry>/hosts.toml`.
+fn write_registry_hosts(certs: &Path, opts: &ContainerdOpts) {
+    assert!(
+        opts.registry_hosts.is_empty() || opts.registry_mirror.is_none(),
+        "registry_hosts and registry_mirror do not go together"
+    );
+    for (registry, hosts) in &opts.registry_hosts {
+        let dir = certs.join(registry);
+        fs::create_dir_all(&dir).expect("create certs.d");
+        fs::write(dir.join("hosts.toml"), hosts).expect("write hosts.toml");
+    }
 }

@@ -47,6 +47,7 @@ mod daemon;
 mod flavor;
 mod grpc;
 mod images;
+pub mod netns;
 mod registry;
 mod scenario;
 mod shims;
