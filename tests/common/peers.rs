@@ -60,7 +60,7 @@ fn peers() -> &'static Option<HashMap<String, Peer>> {
     })
 }
 
-/// The peer `name` (`buildkit`, `nerdctl`, `crictl`), or `None` when peers
+/// The peer `name` (`buildkit`, `nerdctl`, `crictl`, `spegel`), or `None` when peers
 /// are skipped.
 pub fn peer(name: &str) -> Option<&'static Peer> {
     match peers() {
