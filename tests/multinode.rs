@@ -8,7 +8,9 @@
 //! spegel), its own spegel (HTTP bootstrap from the other node: no
 //! Kubernetes API), its own imgbridge and a buildkitd writing through that
 //! imgbridge into namespace `buildkit`. crictl on a node's containerd socket
-//! stands in for its kubelet. containerd 2.x only (see the skip below).
+//! stands in for its kubelet. On containerd 1.x, which publishes no
+//! `/content/create` events, spegel learns of the replicas' blobs from the
+//! ones imgbridge publishes (`replicate/announce.rs`).
 //!
 //! A round: build `docker.io/library/app:dev` with new content on one node;
 //! the moment buildctl returns, the other node pulls it (what kubelet does
@@ -238,19 +240,6 @@ fn row(dir: &str, path: &str, mut d: Vec<Duration>, retries: Option<u32>) -> Str
 
 #[test]
 fn build_on_one_node_runs_on_the_other_through_spegel() {
-    if !flavor().is_v2() {
-        // spegel ≥ 0.3 learns a node's new blobs only from containerd's
-        // ContentCreate events, which 1.x never publishes: on 1.6/1.7 it
-        // advertises what existed when it started, so a fresh build is
-        // served by tag and then 404s by digest (seen on 1.6.20 and 1.7.24
-        // with spegel v0.7.3, the newest the module proxy serves; the
-        // releases that walked images, ≤ 0.2, are not served).
-        eprintln!(
-            "skipped: spegel v0.7.3 needs containerd 2.x content events (containerd {})",
-            flavor().version
-        );
-        return;
-    }
     let Some(cl) = Cluster::start() else { return };
     let rounds = env_num("IMGBRIDGE_MULTINODE_ROUNDS", 3);
     let baseline = std::env::var_os("IMGBRIDGE_MULTINODE_BASELINE").is_some_and(|v| v == "1");

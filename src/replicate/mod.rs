@@ -7,6 +7,7 @@
 //! and it plans read-only first, so a pass over images already in sync
 //! writes nothing.
 
+mod announce;
 pub mod commit;
 mod delete;
 mod distribution;
@@ -249,6 +250,7 @@ pub struct Replicator {
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
     shared: OnceCell<bool>,
+    content_events: OnceCell<bool>,
     observer: std::sync::OnceLock<Arc<dyn ReplicationObserver>>,
     /// The runtime replications run on: the one that built the replicator,
     /// not the proxy's connection threads that trigger them.
@@ -297,6 +299,7 @@ impl Replicator {
             nodes: Default::default(),
             cri: OnceCell::new(),
             shared: OnceCell::new(),
+            content_events: OnceCell::new(),
             observer: std::sync::OnceLock::new(),
             rt: tokio::runtime::Handle::try_current().ok(),
         })
@@ -706,6 +709,9 @@ impl Replicator {
                 self.c
                     .update_content_labels(target, &c.digest, &missing)
                     .await?;
+                if missing.keys().any(|k| k.starts_with(DISTRIBUTION_SOURCE)) {
+                    announce::content_created(&self.c, target, &c.digest, c.size).await;
+                }
                 return Ok(1);
             }
             Write::Link {
@@ -741,8 +747,26 @@ impl Replicator {
                         .await?;
                 }
             }
+        } else if linked != Linked::Present && !self.content_events().await {
+            announce::content_created(&self.c, target, &c.digest, size).await;
         }
         Ok(1)
+    }
+
+    /// Whether containerd publishes `/content/create` itself (asked once,
+    /// when known; see [`announce`]).
+    async fn content_events(&self) -> bool {
+        let r = self
+            .content_events
+            .get_or_try_init(|| async {
+                self.c
+                    .version()
+                    .await
+                    .map(|v| announce::publishes_content_events(&v))
+            })
+            .await;
+        // Unknown (containerd restarting): announcing is harmless either way.
+        matches!(r, Ok(true))
     }
 
     /// Whether containerd shares content across namespaces (asked once):
