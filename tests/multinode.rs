@@ -366,6 +366,11 @@ fn replica_blobs_carry_what_spegel_advertises() {
             .is_some_and(|n| n == format!("docker.io/{path}@{target}"))),
         "no name@digest record for {name}:\n{listed}"
     );
+    every_blob_names(&c, &target, key, path);
+}
+
+/// Every blob of the tree from `target` in `k8s.io` carries `key=path`.
+fn every_blob_names(c: &Containerd, target: &str, key: &str, path: &str) {
     let content = c.ctr_ok("k8s.io", ["content", "ls"]);
     let labels_of = |d: &str| -> String {
         content
@@ -374,7 +379,7 @@ fn replica_blobs_carry_what_spegel_advertises() {
             .unwrap_or_else(|| panic!("blob {d} not in k8s.io:\n{content}"))
             .to_string()
     };
-    let mut blobs = vec![target.clone()];
+    let mut blobs = vec![target.to_string()];
     let mut i = 0;
     while i < blobs.len() {
         let v: serde_json::Value =
@@ -398,7 +403,46 @@ fn replica_blobs_carry_what_spegel_advertises() {
         let line = labels_of(d);
         assert!(
             line.contains(&format!("{key}={path}")),
-            "replica blob {d} lacks {key}={path}: {line}"
+            "blob {d} lacks {key}={path}: {line}"
         );
     }
+}
+
+/// An archive imported by imgbridge (`imgbridge import`, as the watched
+/// directories do) is labelled the same way: its layers were streamed before
+/// the archive's names were known, and spegel skips unlabelled blobs.
+#[test]
+fn imported_blobs_carry_what_spegel_advertises() {
+    let c = Scenario::cri().containerd();
+    let img = TestImage::hello("spegel-import:1");
+    let out = Command::new(env!("CARGO_BIN_EXE_imgbridge"))
+        .args(["import", "--no-pin", "--namespace", "k8s.io", "--upstream"])
+        .arg(c.socket())
+        .arg(img.docker_archive())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let name = img.normalized();
+    let listed = c.ctr_ok("k8s.io", ["images", "ls"]);
+    let target = listed
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .unwrap_or_else(|| panic!("no image {name} in k8s.io:\n{listed}"))
+        .to_string();
+    let path = name
+        .strip_prefix("docker.io/")
+        .and_then(|r| r.rsplit_once(':'))
+        .map(|(repo, _)| repo)
+        .expect("docker.io name");
+    every_blob_names(
+        &c,
+        &target,
+        "containerd.io/distribution.source.docker.io",
+        path,
+    );
 }

@@ -17,13 +17,14 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::archive::{
-    self, BlobSink, BlobWrite, Compression, Format, Plan, Progress, ReadOptions, SinkError,
-    SmallBlob,
+    self, BlobSink, BlobWrite, Compression, Format, Plan, PlannedImage, Progress, ReadOptions,
+    SinkError, SmallBlob,
 };
 use super::pin;
 use super::ImportError;
 use crate::containerd::content::{BlobRef, IngestStart, Linked};
 use crate::containerd::{Containerd, Descriptor};
+use crate::labels::GC_REF_CONTENT;
 
 /// Chunks in flight between the reader thread and the writer task.
 const PIPELINE: usize = 4;
@@ -281,11 +282,15 @@ async fn write_plan(
 ) -> Result<(), ImportError> {
     let mut written = HashSet::new();
     'images: for img in &plan.images {
+        let mirror = img
+            .names
+            .iter()
+            .find_map(|n| crate::replicate::distribution::source(n));
         for b in &img.blobs {
             if written.contains(&b.desc.digest) {
                 continue;
             }
-            if let Err(e) = write_small(c, ns, lease, b).await {
+            if let Err(e) = write_small(c, ns, lease, b, mirror.as_ref()).await {
                 if e.is(tonic::Code::Unavailable) {
                     return Err(e.into());
                 }
@@ -297,6 +302,17 @@ async fn write_plan(
                 continue 'images;
             }
             written.insert(b.desc.digest.clone());
+        }
+        if let Some(m) = &mirror {
+            if let Err(e) = label_layers(c, ns, img, m).await {
+                if e.is(tonic::Code::Unavailable) {
+                    return Err(e.into());
+                }
+                out.warnings.push(format!(
+                    "{}: labelling layers for registry mirrors: {e}",
+                    img.names.join(", ")
+                ));
+            }
         }
         let target = Descriptor {
             media_type: img.target.media_type.clone(),
@@ -318,13 +334,51 @@ async fn write_plan(
     Ok(())
 }
 
+/// The layers of `img` (the children its metadata blobs reference) get the
+/// distribution-source label `mirror` unless they name that registry
+/// already: registry mirrors that serve what a node holds (spegel, k3s's
+/// embedded mirror) skip blobs without one, so an imported image would be
+/// served by tag and none of its layers (spegel-org/spegel#1096; k3s labels
+/// its imports the same way). The layers were streamed before the archive's
+/// names were known, hence a pass of its own.
+async fn label_layers(
+    c: &Containerd,
+    ns: &str,
+    img: &PlannedImage,
+    (key, repo): &(String, String),
+) -> Result<(), crate::containerd::Error> {
+    let own: HashSet<&str> = img.blobs.iter().map(|b| b.desc.digest.as_str()).collect();
+    let layers: HashSet<&str> = img
+        .blobs
+        .iter()
+        .flat_map(|b| b.labels.iter())
+        .filter(|(k, _)| k.starts_with(GC_REF_CONTENT))
+        .map(|(_, v)| v.as_str())
+        .filter(|d| !own.contains(d))
+        .collect();
+    for d in layers {
+        let Some(info) = c.content_info(ns, d).await? else {
+            continue;
+        };
+        if !info.labels.contains_key(key) {
+            let label = HashMap::from([(key.clone(), repo.clone())]);
+            c.update_content_labels(ns, d, &label).await?;
+        }
+    }
+    Ok(())
+}
+
 async fn write_small(
     c: &Containerd,
     ns: &str,
     lease: &str,
     b: &SmallBlob,
+    mirror: Option<&(String, String)>,
 ) -> Result<(), crate::containerd::Error> {
-    let labels: HashMap<String, String> = b.labels.clone().into_iter().collect();
+    let mut labels: HashMap<String, String> = b.labels.clone().into_iter().collect();
+    if let Some((k, repo)) = mirror {
+        labels.entry(k.clone()).or_insert_with(|| repo.clone());
+    }
     let data = Bytes::from(b.data.as_ref().clone());
     let linked = c
         .write_blob(

@@ -16,7 +16,7 @@ use crate::reference::Reference;
 
 /// `(containerd.io/distribution.source.<host>, <repository>)` for `image`;
 /// `None` for a name that is no reference.
-pub(super) fn source(image: &str) -> Option<(String, String)> {
+pub(crate) fn source(image: &str) -> Option<(String, String)> {
     let r = Reference::parse(image).ok()?;
     Some((format!("{DISTRIBUTION_SOURCE}.{}", r.domain), r.path))
 }

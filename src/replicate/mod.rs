@@ -10,7 +10,7 @@
 mod announce;
 pub mod commit;
 mod delete;
-mod distribution;
+pub(crate) mod distribution;
 pub mod hooks;
 mod locks;
 pub mod observe;
