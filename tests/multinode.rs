@@ -352,13 +352,7 @@ fn replica_blobs_carry_what_spegel_advertises() {
         .map(|(repo, tag)| (tag, repo))
         .expect("docker.io name");
     let key = "containerd.io/distribution.source.docker.io";
-    let listed = c.ctr_ok("k8s.io", ["images", "ls"]);
-    let target = listed
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
-        .and_then(|l| l.split_whitespace().nth(2))
-        .unwrap_or_else(|| panic!("no replica {name} in k8s.io:\n{listed}"))
-        .to_string();
+    let (listed, target) = target_of(&c, &name);
     assert!(
         listed.lines().any(|l| l
             .split_whitespace()
@@ -367,6 +361,18 @@ fn replica_blobs_carry_what_spegel_advertises() {
         "no name@digest record for {name}:\n{listed}"
     );
     every_blob_names(&c, &target, key, path);
+}
+
+/// `ctr images ls` in `k8s.io`, and the target digest of `name` there.
+fn target_of(c: &Containerd, name: &str) -> (String, String) {
+    let listed = c.ctr_ok("k8s.io", ["images", "ls"]);
+    let target = listed
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .unwrap_or_else(|| panic!("no image {name} in k8s.io:\n{listed}"))
+        .to_string();
+    (listed, target)
 }
 
 /// Every blob of the tree from `target` in `k8s.io` carries `key=path`.
@@ -427,13 +433,7 @@ fn imported_blobs_carry_what_spegel_advertises() {
         String::from_utf8_lossy(&out.stderr)
     );
     let name = img.normalized();
-    let listed = c.ctr_ok("k8s.io", ["images", "ls"]);
-    let target = listed
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
-        .and_then(|l| l.split_whitespace().nth(2))
-        .unwrap_or_else(|| panic!("no image {name} in k8s.io:\n{listed}"))
-        .to_string();
+    let (_, target) = target_of(&c, &name);
     let path = name
         .strip_prefix("docker.io/")
         .and_then(|r| r.rsplit_once(':'))

@@ -158,9 +158,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
     use std::collections::VecDeque;
-    use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::sync::Notify;
 
     const DATA: [u8; 8] = [2, 4, 16, 16, 9, 14, 7, 7];
 
@@ -282,14 +280,8 @@ mod tests {
     /// PING through.
     #[tokio::test]
     async fn the_ping_a_release_causes_is_answered_by_the_splice() {
-        let gate = Arc::new(Notify::new());
-        let rules = Rules::new(false, true, gate.clone());
-        let (mut client, mut server, _task) = start(rules);
-        let mut sent = frame::PREFACE.to_vec();
-        sent.extend(request(1, "/t.S/Held"));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
-        sent.extend(frame(PING, 0, 0, &DATA));
-        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        let (mut client, mut server, _task, gate, _) =
+            held_call_sent(&frame(PING, 0, 0, &DATA)).await;
         // containerd answers the call (held), then the PING.
         let mut reply = ok_reply(1);
         reply.extend(frame(PING, frame::ACK, 0, &DATA));
@@ -310,7 +302,7 @@ mod tests {
         assert_eq!((h.kind, h.flags, &p[..]), (PING, frame::ACK, &[9; 8][..]));
 
         // containerd speaks: the next PING is its to answer.
-        sent = request(3, "/t.S/Plain");
+        let mut sent = request(3, "/t.S/Plain");
         sent.extend(frame(frame::DATA, frame::END_STREAM, 3, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         let plain = ok_reply(3);

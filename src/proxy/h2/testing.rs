@@ -126,6 +126,22 @@ pub(super) fn start_with(rules: Rules, drain: CancellationToken) -> (UnixStream,
     (client, server, task)
 }
 
+/// A splice that holds `/t.S/Held` replies until the returned gate is
+/// notified, after the preface, a `/t.S/Held` call on stream 1 and `more`
+/// went through it unchanged.
+pub(super) async fn held_call_sent(
+    more: &[u8],
+) -> (UnixStream, UnixStream, Task, Arc<Notify>, Vec<u8>) {
+    let gate = Arc::new(Notify::new());
+    let (mut client, mut server, task) = start(Rules::new(false, true, gate.clone()));
+    let mut sent = frame::PREFACE.to_vec();
+    sent.extend(request(1, "/t.S/Held"));
+    sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+    sent.extend(more);
+    assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+    (client, server, task, gate, sent)
+}
+
 pub(super) const MSG: [u8; 5] = [0, 0, 0, 0, 0];
 
 /// containerd's OK reply to a unary call: headers, one message, trailers.
