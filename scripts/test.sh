@@ -19,7 +19,9 @@ if [[ "$(id -u)" -ne 0 ]]; then
 fi
 
 # Tools the harness needs: the binaries, plus a static busybox for test images.
-needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry)
+# ip/nsenter/curl: the multi-node test's network namespaces and spegel's
+# readiness; make/gcc: jemalloc is built from source.
+needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc)
 missing=()
 for bin in "${needed_bins[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
@@ -34,7 +36,7 @@ else
     apt-get update
     apt-get install -y --no-install-recommends \
         containerd runc protobuf-compiler skopeo umoci busybox-static \
-        docker-registry ca-certificates
+        docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then
