@@ -7,14 +7,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" != 0 ]; then echo "try.sh needs root (it runs a private containerd)"; exit 1; fi
-need=(containerd ctr runc umoci skopeo busybox protoc)
+need=(containerd ctr runc umoci skopeo busybox protoc make gcc)
 missing=0; for b in "${need[@]}"; do command -v "$b" >/dev/null || missing=1; done
 [ -x /bin/busybox ] || missing=1
 if [ $missing = 1 ]; then
   echo "== installing Debian packages"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    containerd runc protobuf-compiler skopeo umoci busybox-static ca-certificates >/dev/null
+    containerd runc protobuf-compiler skopeo umoci busybox-static ca-certificates make gcc libc6-dev >/dev/null
 fi
 [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
 
