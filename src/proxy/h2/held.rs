@@ -409,12 +409,19 @@ impl State {
         }
         match held.reply_complete() {
             Ok((hook, rq, rs)) => {
+                // containerd carried the call out: the hook is a task of its
+                // own, so a client that hangs up (the connection, and its
+                // `hooks`, dropped) does not cancel the replication.
+                let work = tokio::spawn(hook.after(rq, rs));
                 self.hooks_added = true;
                 self.hooks.push(Box::pin(async move {
-                    Outcome::After {
-                        stream,
-                        result: hook.after(rq, rs).await,
-                    }
+                    let result = work.await.unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "a replication hook panicked");
+                        Err(tonic::Status::internal(format!(
+                            "imgbridge: hook failed: {e}"
+                        )))
+                    });
+                    Outcome::After { stream, result }
                 }));
             }
             Err(true) => {}
@@ -495,6 +502,41 @@ mod tests {
     use std::sync::Arc;
     use tokio::io::AsyncWriteExt;
     use tokio::sync::Notify;
+
+    /// A client that hangs up while the `after` hook runs: containerd
+    /// carried the call out, so the hook (the replication) runs to its end
+    /// although the connection is gone. Dropping it with the connection
+    /// lost one reset Create in 41 under CI load.
+    #[tokio::test]
+    async fn after_hook_outlives_the_connection_of_a_client_that_hung_up() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let gate = Arc::new(Notify::new());
+        let rules = Rules::new(false, true, gate.clone());
+        let counts = rules.counts();
+        let (mut client, mut server, task) = start(rules);
+        let mut sent = frame::PREFACE.to_vec();
+        sent.extend(request(1, "/t.S/Held"));
+        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        server.write_all(&ok_reply(1)).await.unwrap();
+        let reached = |i: usize| {
+            let c: &AtomicUsize = &counts[i];
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            async move {
+                while c.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    // poll interval
+                }
+                c.load(Ordering::SeqCst)
+            }
+        };
+        assert_eq!(reached(0).await, 1, "the reply is whole: the hook runs");
+        drop(client);
+        drop(server);
+        let _ = task.await;
+        gate.notify_one();
+        assert_eq!(reached(1).await, 1, "the after hook was dropped");
+    }
 
     #[tokio::test]
     async fn reply_before_end_stream_still_runs_the_hook_and_its_error_wins() {

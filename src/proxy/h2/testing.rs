@@ -2,7 +2,7 @@
 //! of what real clients and containerd do too rarely to catch in
 //! integration tests.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::BytesMut;
@@ -20,6 +20,8 @@ pub(super) struct Rules {
     fail: bool,
     gate: Arc<Notify>,
     wait: AtomicBool,
+    /// `after` hooks that started, and that ran to their end.
+    counts: Arc<[AtomicUsize; 2]>,
 }
 
 impl Rules {
@@ -29,7 +31,14 @@ impl Rules {
             fail,
             gate,
             wait: AtomicBool::new(wait),
+            counts: Arc::default(),
         }
+    }
+
+    /// Counts the `after` hooks that started (`[0]`) and that ran to
+    /// their end (`[1]`).
+    pub(super) fn counts(&self) -> Arc<[AtomicUsize; 2]> {
+        self.counts.clone()
     }
 }
 
@@ -43,10 +52,13 @@ impl Interceptor for Rules {
             self.gate.clone(),
             self.wait.load(Ordering::SeqCst),
         );
+        let counts = self.counts.clone();
         Some(typed(move |_: (), _: ()| async move {
+            counts[0].fetch_add(1, Ordering::SeqCst);
             if wait {
                 gate.notified().await;
             }
+            counts[1].fetch_add(1, Ordering::SeqCst);
             if fail {
                 Err(tonic::Status::internal("boom"))
             } else {

@@ -340,9 +340,12 @@ impl State {
         match step {
             Step::Pass | Step::Kept => {}
             Step::Run(f) => {
+                // A task of its own: the connection ending does not cancel
+                // the linking of a blob containerd has committed.
+                let work = tokio::spawn(f);
                 self.hooks_added = true;
                 self.hooks.push(Box::pin(async move {
-                    f.await;
+                    let _ = work.await;
                     Outcome::Watch { stream }
                 }));
             }
