@@ -176,21 +176,32 @@ async fn create_record(c: &Containerd, ns: &str, name: &str, target: &Descriptor
 /// no reads, lease or labels. Each record is a bolt transaction with an
 /// fsync and CRI handles image events one at a time, so the floor is what
 /// containerd allows, not what a proxy could do better.
+///
+/// A fourth mode isolates CRI: every name written once, straight into
+/// `k8s.io` (as many records as direct), then polled through CRI until it
+/// resolves. Against direct it is what waiting for CRI alone costs, with no
+/// second record and no proxy.
 async fn burst(a: &Args, c: &Containerd) -> Res<()> {
     let proxy = a.req("proxy")?;
     let (_, target) = source_image(c, a.req("image")?).await?;
     let count = a.num("count", 200)?;
     let rounds = a.num("rounds", 3)?;
     let conns = a.num("conns", 20)?.clamp(1, count.max(1));
-    // 0 direct, 1 proxied, 2 floor (direct, two records per name)
-    let sockets = [a.req("containerd")?, proxy, a.req("containerd")?];
+    // 0 direct, 1 proxied, 2 floor (direct, two records per name),
+    // 3 CRI alone (one record per name, in k8s.io, confirmed through CRI)
+    let sockets = [
+        a.req("containerd")?,
+        proxy,
+        a.req("containerd")?,
+        a.req("containerd")?,
+    ];
     let keep = a.all("keep");
-    let mut t: [Vec<Duration>; 3] = Default::default();
-    let mut failed = [0usize; 3];
+    let mut t: [Vec<Duration>; 4] = Default::default();
+    let mut failed = [0usize; 4];
     let mut errors: HashMap<String, usize> = HashMap::new();
     let labelled = labelled_blobs(c, SOURCE, &target).await?;
     for r in 0..rounds {
-        for v in round_order(&[0usize, 1, 2], r) {
+        for v in round_order(&[0usize, 1, 2, 3], r) {
             clean(c, &[SOURCE.to_string(), TARGET.to_string()], &keep).await?;
             let clients: Vec<Containerd> =
                 (0..conns).map(|_| Containerd::new(sockets[v])).collect();
@@ -211,8 +222,10 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
                 let name = format!("burst-{v}-{tag}-{i}:x");
                 let target = &target;
                 async move {
-                    create_record(cl, SOURCE, &name, target).await?;
-                    if v == 2 {
+                    if v != 3 {
+                        create_record(cl, SOURCE, &name, target).await?;
+                    }
+                    if v >= 2 {
                         // The replica's name is the normalised reference,
                         // as imgbridge writes it (CRI looks names up so).
                         let full = format!("docker.io/library/{name}");
@@ -250,7 +263,10 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
     let (d, _, _) = stats(&t[0]);
     let (p, _, _) = stats(&t[1]);
     let (f, _, _) = stats(&t[2]);
+    let (cri, _, _) = stats(&t[3]);
     println!("RESULT burst_direct_ms {d:.0}");
+    println!("RESULT burst_cri_alone_ms {cri:.0}");
+    println!("RESULT burst_cri_alone_ratio {:.2}", cri / d);
     println!("RESULT burst_proxy_ms {p:.0}");
     println!("RESULT burst_floor_ms {f:.0}");
     println!("RESULT burst_ratio {:.2}", p / d);
@@ -258,6 +274,7 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
     println!("RESULT burst_ratio_vs_floor {:.2}", p / f);
     println!("RESULT burst_direct_failed {}", failed[0]);
     println!("RESULT burst_proxy_failed {}", failed[1]);
+    println!("RESULT burst_floor_failed {}", failed[2] + failed[3]);
     for (e, n) in errors {
         println!("error ×{n}: {e}");
     }

@@ -51,7 +51,9 @@
 #        BENCH_VARIANTS="a b c d"  a subset, e.g. "a b"; or add "e": B's build
 #                              through imgbridge's socket (a fourth buildkitd,
 #                              namespace k8s.io, which imgbridge only relays):
-#                              E-B is the hop's cost, A-E the replication's
+#                              E-B is the hop's cost, A-E the replication's;
+#                              "f": the same through a bare byte relay
+#                              (examples/floor_relay.rs): F-B is any hop's cost
 #        BENCH_DIR=/tmp        parent of the temp dir (containerd's root; /dev/shm
 #                              takes the disk's fsyncs out of the figures)
 #        BENCH_POD_TIMEOUT=30  seconds for a container to print its line
@@ -99,7 +101,7 @@ log() { printf '[devloop] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "needs root (it runs a private containerd with CRI)"
-for v in "${VARIANTS[@]}"; do [[ $v == [abcde] ]] || die "unknown variant '$v' (a b c d e)"; done
+for v in "${VARIANTS[@]}"; do [[ $v == [abcdef] ]] || die "unknown variant '$v' (a b c d e f)"; done
 missing=()
 for b in docker-registry umoci skopeo; do command -v "$b" >/dev/null || missing+=("$b"); done
 [ -x /bin/busybox ] || missing+=(busybox-static)
@@ -122,6 +124,10 @@ else
     cargo build --release --quiet --bin imgbridge
   fi
   IB=target/release/imgbridge
+fi
+if want f; then
+  [ -n "${BENCH_NO_BUILD:-}" ] || cargo build --release --quiet --example floor_relay
+  FLOOR=$(realpath target/release/examples/floor_relay)
 fi
 [ -x "$IB" ] || die "no imgbridge binary at $IB"
 IB=$(realpath "$IB")
@@ -391,6 +397,9 @@ if want a || want e; then
     # direct writes into `buildkit` are not copied behind the benchmark's back.
     printf 'ttrpc = false\n[reconcile]\nenabled = false\n' >"$T/imgbridge/config.toml"
   fi
+  # Its metrics on a socket of the run's own: the calls each build makes
+  # through it (what the hop costs scales with them).
+  printf '[metrics]\nlisten = "%s"\n' "$T/imgbridge/metrics.sock" >>"$T/imgbridge/config.toml"
   "$IB" serve --config "$T/imgbridge/config.toml" --listen "$T/imgbridge/imgbridge.sock" \
     --upstream "$C" >"$T/imgbridge/imgbridge.log" 2>&1 &
   pids+=($!)
@@ -431,6 +440,15 @@ EOF
 }
 want a && start_buildkitd a "$T/imgbridge/imgbridge.sock" buildkit
 want e && start_buildkitd e "$T/imgbridge/imgbridge.sock" k8s.io
+if want f; then
+  # F: B's build through a bare byte relay (examples/floor_relay.rs): what
+  # any hop costs, against E's (imgbridge's) hop.
+  mkdir -p "$T/floor"
+  "$FLOOR" "$T/floor/floor.sock" "$C" 2>"$T/floor/floor.log" &
+  pids+=($!)
+  wait_sock "$T/floor/floor.sock"
+  start_buildkitd f "$T/floor/floor.sock" k8s.io
+fi
 want b && start_buildkitd b "$C" k8s.io
 { want c || want d; } && start_buildkitd c "$C" "$C_NS"
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
@@ -635,6 +653,7 @@ name_of() {
     c) echo "C build + ctr export | ctr import" ;;
     d) echo "D build + push to local registry + crictl pull" ;;
     e) echo "E = B through imgbridge's socket (hop only)" ;;
+    f) echo "F = B through a bare byte relay (any hop)" ;;
   esac
 }
 short_of() {
@@ -644,6 +663,7 @@ short_of() {
     c) echo "C: build, then \`ctr export \| ctr import\` (kind load)" ;;
     d) echo "D: build + push to loopback registry, \`crictl pull\`" ;;
     e) echo "E: B through imgbridge's socket (\`k8s.io\` is only relayed)" ;;
+    f) echo "F: B through a bare byte relay (\`examples/floor_relay.rs\`)" ;;
   esac
 }
 mmm() { read -r m lo hi <<<"$1"; if [ "$m" = - ]; then echo "-"; else echo "$m ($lo-$hi)"; fi; }
@@ -676,6 +696,12 @@ held=""
 if want e && want b; then
   read -r x xlo xhi _ <<<"$(diff_ms e b 4)"
   echo "   E - B build wall time (imgbridge's hop, no replication): ${x} ms (median of per-round differences; range $xlo to $xhi ms)"
+  if want f; then
+    read -r x xlo xhi _ <<<"$(diff_ms f b 4)"
+    echo "   F - B build wall time (a bare byte relay's hop): ${x} ms (range $xlo to $xhi ms)"
+    read -r x xlo xhi _ <<<"$(diff_ms e f 4)"
+    echo "   E - F build wall time (imgbridge's hop over the bare relay's): ${x} ms (range $xlo to $xhi ms)"
+  fi
   if want a; then
     read -r x xlo xhi _ <<<"$(diff_ms a e 4)"
     echo "   A - E build wall time (replication + CRI confirmation): ${x} ms (range $xlo to $xhi ms)"
@@ -693,6 +719,22 @@ if want a && [ -s "$T/imgbridge/imgbridge.log" ]; then
     awk '{a[NR] = $1} END {if (NR == 0) exit
       m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.0f ms (%d-%d) over %d builds\n", m, a[1], a[NR], NR}')
   [ -n "$held" ] && echo "   imgbridge's held Images.Create/Update (replication + CRI confirmation), from its log: median $held"
+fi
+if { want a || want e; } && [ -S "$T/imgbridge/metrics.sock" ]; then
+  # Calls of A's and E's builds (and the warm-ups) through imgbridge, per
+  # build; the buildkitds' own housekeeping is included.
+  builds=$((ITER * ($(want a && echo 1 || echo 0) + $(want e && echo 1 || echo 0)) + 1))
+  curl -s --unix-socket "$T/imgbridge/metrics.sock" http://imgbridge/metrics |
+    awk -v b="$builds" '/^imgbridge_proxy_calls_total/ {
+        m = $0; sub(/.*method="\/containerd\.services\./, "", m); sub(/".*/, "", m)
+        n[m] += $NF; t += $NF }
+      END { if (t == 0) exit
+        printf "TOTAL %.1f\n", t / b
+        for (m in n) printf "%.1f %s\n", n[m] / b, m }' |
+    sort -k1,1nr >"$T/calls.txt" || true
+  if [ -s "$T/calls.txt" ]; then
+    echo "   calls through imgbridge per build: $(awk '/^TOTAL/ {print $2}' "$T/calls.txt") ($(grep -v '^TOTAL' "$T/calls.txt" | head -6 | awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1}'))"
+  fi
 fi
 for v in c d; do
   if want a && want "$v"; then

@@ -15,7 +15,9 @@
 #   C   bursts of C_COUNT (200) concurrent Images.Create of new names for the
 #       10-layer image in buildkit, over 20 connections: direct vs proxied
 #       (each replicated into k8s.io and confirmed through CRI); total time
-#       and failed calls.
+#       and failed calls. Also, straight on containerd: the floor (two
+#       records per name + CRI resolves) and CRI alone (one record per name
+#       in k8s.io + CRI resolves: what waiting for CRI costs by itself).
 #   B   `imgbridge sync` over 500 records: out of sync (images/s) and in sync
 #       (seconds, writes must be 0), vs a plain sequential copy.
 #
@@ -369,6 +371,7 @@ if want c; then
   row "C $C_COUNT concurrent Creates: total (ms)" "$(fmt "$(get c.burst_direct_ms)")" "$(fmt "$(get c.burst_proxy_ms)")" "$cr" "ratio <= 2" "$(met "$cr" '<=' 2)" "$(bl "")"
   row "C   floor: 2 records/name + CRI resolves (ms)" "-" "$(fmt "$(get c.burst_floor_ms)")" "$(get c.burst_floor_ratio)" "(reference)" "-" "$(bl "")"
   row "C   imgbridge vs that floor" "-" "-" "$(get c.burst_ratio_vs_floor)" "(reference)" "-" "$(bl "")"
+  row "C   CRI alone: 1 record/name in k8s.io + CRI resolves (ms)" "-" "$(fmt "$(get c.burst_cri_alone_ms)")" "$(get c.burst_cri_alone_ratio)" "(reference)" "-" "$(bl "")"
   cf=$(get c.burst_proxy_failed)
   row "C   failed calls (direct / proxied)" "$(get c.burst_direct_failed)" "$cf" "-" "0 proxied" "$(met "$cf" '<=' 0)" "$(bl "")"
 fi
