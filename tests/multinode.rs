@@ -363,6 +363,51 @@ fn replica_blobs_carry_what_spegel_advertises() {
     every_blob_names(&c, &target, key, path);
 }
 
+/// Names from two registries for one tree, replicated at once: they may
+/// share one walk of the tree, yet each registry's label reaches every
+/// blob (spegel serves a blob only under a registry its label names; a
+/// shared walk used to label the first name's registry only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_of_two_registries_at_once_label_every_blob_for_both() {
+    let (c, p) = Scenario::cri()
+        .config("[reconcile]\nenabled = false\n")
+        .start();
+    let img = TestImage::hello("spegel-two:1");
+    ctr_import(c.socket(), "buildkit", &img.docker_archive());
+    let target = image_target(c.socket(), "buildkit", &img.normalized()).await;
+    let calls: Vec<_> = (0..16)
+        .map(|i| {
+            let name = match i % 2 {
+                0 => format!("docker.io/library/two-{i}:x"),
+                _ => format!("127.0.0.1:5000/team/two-{i}:x"),
+            };
+            let (sock, target) = (p.socket().to_path_buf(), target.clone());
+            tokio::spawn(async move {
+                let mut images = images_client(&sock).await;
+                images
+                    .create(create_image_req("buildkit", &name, &target))
+                    .await
+                    .unwrap_or_else(|e| panic!("Create {name}: {e}"));
+            })
+        })
+        .collect();
+    for call in calls {
+        call.await.unwrap();
+    }
+    let digest = target.digest.clone();
+    tokio::task::spawn_blocking(move || {
+        for key in [
+            "containerd.io/distribution.source.docker.io",
+            "containerd.io/distribution.source.127.0.0.1:5000",
+        ] {
+            // Any repository of the registry: one per registry is kept.
+            every_blob_names(&c, &digest, key, "");
+        }
+    })
+    .await
+    .unwrap();
+}
+
 /// `ctr images ls` in `k8s.io`, and the target digest of `name` there.
 fn target_of(c: &Containerd, name: &str) -> (String, String) {
     let listed = c.ctr_ok("k8s.io", ["images", "ls"]);

@@ -268,12 +268,11 @@ struct Visit {
 
 /// What a blob needs in the target.
 enum Write {
-    /// Not there (or not asked: `probed` false): link (or copy) it with
-    /// these labels.
+    /// Not there (or not asked): link (or copy) it with these labels; if
+    /// it turns out to be there, they are checked then.
     Link {
         size: i64,
         labels: HashMap<String, String>,
-        probed: bool,
     },
     /// There, but these labels are missing or differ.
     Relabel(HashMap<String, String>),
@@ -523,7 +522,9 @@ impl Replicator {
     /// needs it at the same time (a burst of names for one image): the
     /// first walks, the others wait for it and share its result. The
     /// shared [`Walked`] holds the lease, so the tree stays protected until
-    /// the last of them has written its record. `true`: shared.
+    /// the last of them has written its record. `true`: shared. Names of
+    /// another registry walk on their own: the walk labels every blob with
+    /// the name's registry ([`distribution`]).
     async fn walk_shared(
         &self,
         source: &str,
@@ -531,7 +532,12 @@ impl Replicator {
         image: &str,
         root: &Descriptor,
     ) -> Result<(Arc<Walked>, bool), ctrd::Error> {
-        let key = format!("{source}\0{target}\0{}", root.digest);
+        let registry = distribution::source(image).map(|(k, _)| k);
+        let key = format!(
+            "{source}\0{target}\0{}\0{}",
+            root.digest,
+            registry.as_deref().unwrap_or("")
+        );
         let _walking = self.walk_locks.lock(key.clone()).await;
         if let Some(w) = lock(&self.walked)
             .get(&key)
@@ -678,7 +684,6 @@ impl Replicator {
                 v.write = Some(Write::Link {
                     size: info.size,
                     labels,
-                    probed: probe,
                 })
             }
             Some(Some(t)) => {
@@ -704,7 +709,7 @@ impl Replicator {
         w: Write,
         lease: &OnceCell<String>,
     ) -> Result<usize, ctrd::Error> {
-        let (size, labels, probed) = match w {
+        let (size, labels) = match w {
             Write::Relabel(missing) => {
                 self.c
                     .update_content_labels(target, &c.digest, &missing)
@@ -714,11 +719,7 @@ impl Replicator {
                 }
                 return Ok(1);
             }
-            Write::Link {
-                size,
-                labels,
-                probed,
-            } => (size, labels, probed),
+            Write::Link { size, labels } => (size, labels),
         };
         let id = lease
             .get_or_try_init(|| self.c.create_lease(target, LEASE_TTL))
@@ -737,8 +738,9 @@ impl Replicator {
             Some(l) => l,
             None => self.c.link_or_copy(source, target, Some(id), blob).await?,
         };
-        if linked == Linked::Present && !probed {
-            // Linked unseen, but it was there: its labels were not checked.
+        if linked == Linked::Present {
+            // Linked unseen (or another replication linked it since the
+            // probe, with its own labels): its labels were not checked.
             if let Some(t) = self.c.content_info(target, &c.digest).await? {
                 let missing = missing_labels(labels, &t);
                 if !missing.is_empty() {
