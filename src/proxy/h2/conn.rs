@@ -14,7 +14,7 @@ use futures_util::task::AtomicWaker;
 use tokio::net::UnixStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::frame;
+use super::frame::{self, Reason};
 use super::pump::Pump;
 use super::streams::{error_reply, State};
 use super::{Ctx, Out, Side, SpliceError, DESYNC};
@@ -209,7 +209,7 @@ impl Conn {
         }
         // The first step of a graceful GOAWAY (RFC 9113 §6.8): no new calls
         // here, but calls already on their way are still answered.
-        (self.down.inject).push_back(frame::goaway(0x7fff_ffff, frame::NO_ERROR));
+        (self.down.inject).push_back(frame::goaway(0x7fff_ffff, Reason::NO_ERROR));
         self.grace = Some(Box::pin(tokio::time::sleep(LOST_GRACE)));
         Ok(())
     }
@@ -220,7 +220,7 @@ impl Conn {
     /// COMPRESSION_ERROR) and a reason, then the connection ends with `e`
     /// (the client reconnects, with fresh HPACK state).
     fn close_loudly(&mut self, e: SpliceError) -> Result<(), SpliceError> {
-        let goaway = frame::goaway_saying(self.st.last_stream, frame::COMPRESSION_ERROR, DESYNC);
+        let goaway = frame::goaway_saying(self.st.last_stream, Reason::COMPRESSION_ERROR, DESYNC);
         if !self.down.end_with(goaway) {
             return Err(e); // mid-frame: the client sees the close
         }
@@ -251,7 +251,7 @@ impl Conn {
                 self.drain = None;
                 // Calls up to here finish; later ones are refused (see `open`).
                 self.st.goaway = Some(self.st.last_stream);
-                (self.down.inject).push_back(frame::goaway(self.st.last_stream, frame::NO_ERROR));
+                (self.down.inject).push_back(frame::goaway(self.st.last_stream, Reason::NO_ERROR));
                 self.ending = true;
             }
         }
@@ -359,7 +359,7 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     //! Frame-level checks with both peers played by hand.
-    use super::super::frame;
+    use super::super::frame::{self, Kind, Reason};
     use super::super::testing::*;
     use super::*;
     use crate::proxy::observe::CallObserver;
@@ -372,12 +372,12 @@ mod tests {
         let (mut client, mut server, task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Plain"));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         drop(server); // containerd dies with the call in flight
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -392,14 +392,14 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(
             h.kind,
-            frame::GOAWAY,
+            Kind::GoAway,
             "the client is sent to a new connection"
         );
 
         // A call that was already on its way is answered the same way.
         client.write_all(&request(3, "/t.S/Plain")).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 3));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 3));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())));
         drop(client);
@@ -444,17 +444,17 @@ mod tests {
         let (mut client, mut server, task) = start_with(rules, drain.clone());
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, SUBSCRIBE));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
         sent.extend(request(3, "/t.S/Plain"));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 3, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 3, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
         drain.cancel();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::GOAWAY);
+        assert_eq!(h.kind, Kind::GoAway);
         assert_eq!(&p[..4], &3u32.to_be_bytes(), "both calls were accepted");
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(
@@ -466,23 +466,23 @@ mod tests {
         let (h, p) = read_frame(&mut server).await;
         assert_eq!(
             (h.kind, h.stream, &p[..]),
-            (frame::RST_STREAM, 1, &frame::CANCEL.to_be_bytes()[..])
+            (Kind::RstStream, 1, &Reason::CANCEL.0.to_be_bytes()[..])
         );
 
         // An event that crossed the reset, then the plain call's reply.
         let mut late = frame(
-            frame::HEADERS,
+            Kind::Headers,
             frame::END_HEADERS,
             1,
             &block(&[(":status", "200")]),
         );
-        late.extend(frame(frame::DATA, 0, 1, &MSG));
+        late.extend(frame(Kind::Data, 0, 1, &MSG));
         late.extend(ok_reply(3));
         server.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (frame::WINDOW_UPDATE, 0));
+        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes(), "the dropped event's credit");
-        for kind in [frame::HEADERS, frame::DATA, frame::HEADERS] {
+        for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
             let (h, _) = read_frame(&mut client).await;
             assert_eq!((h.kind, h.stream), (kind, 3), "nothing more on stream 1");
         }
@@ -504,7 +504,7 @@ mod tests {
         let (mut client, mut server, task) = start_with(rules, drain.clone());
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, SUBSCRIBE));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         (drain, client, server, task)
     }
@@ -520,12 +520,12 @@ mod tests {
     async fn drain_ends_a_streaming_subscription_with_trailers() {
         let (drain, mut client, mut server, task) = subscribed().await;
         let mut event = frame(
-            frame::HEADERS,
+            Kind::Headers,
             frame::END_HEADERS,
             1,
             &block(&[(":status", "200"), ("content-type", "application/grpc")]),
         );
-        event.extend(frame(frame::DATA, 0, 1, &MSG));
+        event.extend(frame(Kind::Data, 0, 1, &MSG));
         server.write_all(&event).await.unwrap();
         let mut got = vec![0; event.len()];
         client.read_exact(&mut got).await.unwrap();
@@ -533,15 +533,15 @@ mod tests {
 
         drain.cancel();
         let (h, _) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::GOAWAY);
+        assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (frame::RST_STREAM, 1));
+        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
         nothing_more(&mut client).await;
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -557,26 +557,26 @@ mod tests {
         let (drain, mut client, mut server, task) = subscribed().await;
         let b = block(&[(":status", "200"), ("content-type", "application/grpc")]);
         let (first, second) = b.split_at(3);
-        let head = frame(frame::HEADERS, 0, 1, first);
+        let head = frame(Kind::Headers, 0, 1, first);
         server.write_all(&head).await.unwrap();
         let mut got = vec![0; head.len()];
         client.read_exact(&mut got).await.unwrap();
 
         drain.cancel();
         // Only once the block is whole: GOAWAY, then trailers.
-        let cont = frame(frame::CONTINUATION, frame::END_HEADERS, 1, second);
+        let cont = frame(Kind::Continuation, frame::END_HEADERS, 1, second);
         server.write_all(&cont).await.unwrap();
         let (h, _) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::CONTINUATION);
+        assert_eq!(h.kind, Kind::Continuation);
         let (h, _) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::GOAWAY);
+        assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (frame::RST_STREAM, 1));
+        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
         drop(client);
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -592,7 +592,7 @@ mod tests {
 
         drain.cancel();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::GOAWAY);
+        assert_eq!(h.kind, Kind::GoAway);
         assert_eq!(
             &p[..4],
             &1u32.to_be_bytes(),
@@ -605,14 +605,14 @@ mod tests {
         let (h, p) = read_frame(&mut client).await;
         assert_eq!(
             (h.kind, h.stream, &p[..]),
-            (frame::RST_STREAM, 3, &7u32.to_be_bytes()[..])
+            (Kind::RstStream, 3, &7u32.to_be_bytes()[..])
         );
         let mut got = vec![0; late.len()];
         server.read_exact(&mut got).await.unwrap();
         let (h, _) = read_frame(&mut server).await;
         assert_eq!(
             (h.kind, h.stream),
-            (frame::RST_STREAM, 3),
+            (Kind::RstStream, 3),
             "containerd drops it too"
         );
 
@@ -623,13 +623,13 @@ mod tests {
         for _ in 0..3 {
             kinds.push(read_frame(&mut client).await.0.kind);
         }
-        assert_eq!(kinds, [frame::HEADERS, frame::DATA, frame::HEADERS]);
+        assert_eq!(kinds, [Kind::Headers, Kind::Data, Kind::Headers]);
         // Our side is closed, yet the client may still write (a window
         // update for the reply it read) without EPIPE; its hang-up ends
         // the splice well before the linger time.
         nothing_more(&mut client).await;
         client
-            .write_all(&frame(frame::WINDOW_UPDATE, 0, 0, &[0, 0, 0, 9]))
+            .write_all(&frame(Kind::WindowUpdate, 0, 0, &[0, 0, 0, 9]))
             .await
             .unwrap();
         // Having read everything, it need not hang up: the splice ends once
@@ -667,7 +667,7 @@ mod tests {
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         // `:method: POST`, then dynamic index 62, which was never inserted.
         let hidden = frame(
-            frame::HEADERS,
+            Kind::Headers,
             frame::END_HEADERS | frame::END_STREAM,
             1,
             &[0x83, 0xbe],
@@ -675,8 +675,8 @@ mod tests {
         client.write_all(&hidden).await.unwrap();
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!(h.kind, frame::GOAWAY);
-        assert_eq!(&p[4..8], &frame::COMPRESSION_ERROR.to_be_bytes());
+        assert_eq!(h.kind, Kind::GoAway);
+        assert_eq!(&p[4..8], &Reason::COMPRESSION_ERROR.0.to_be_bytes());
         let debug = String::from_utf8_lossy(&p[8..]);
         assert!(debug.contains("HPACK"), "{debug}");
         let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)

@@ -12,14 +12,77 @@ pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
 /// so their size never depends on SETTINGS.
 pub const EMIT_PAYLOAD: usize = 16_384;
 
-pub const DATA: u8 = 0x0;
-pub const HEADERS: u8 = 0x1;
-pub const RST_STREAM: u8 = 0x3;
-pub const SETTINGS: u8 = 0x4;
-pub const PUSH_PROMISE: u8 = 0x5;
-pub const GOAWAY: u8 = 0x7;
-pub const WINDOW_UPDATE: u8 = 0x8;
-pub const CONTINUATION: u8 = 0x9;
+/// A frame's type (RFC 9113 §6). The splice acts on a few and relays the
+/// rest; a type it does not know (an extension, RFC 9113 §5.5) is relayed
+/// untouched as `Other`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Data,
+    Headers,
+    Priority,
+    RstStream,
+    Settings,
+    PushPromise,
+    Ping,
+    GoAway,
+    WindowUpdate,
+    Continuation,
+    Other(u8),
+}
+
+impl Kind {
+    pub fn from_wire(b: u8) -> Kind {
+        match b {
+            0x0 => Kind::Data,
+            0x1 => Kind::Headers,
+            0x2 => Kind::Priority,
+            0x3 => Kind::RstStream,
+            0x4 => Kind::Settings,
+            0x5 => Kind::PushPromise,
+            0x6 => Kind::Ping,
+            0x7 => Kind::GoAway,
+            0x8 => Kind::WindowUpdate,
+            0x9 => Kind::Continuation,
+            other => Kind::Other(other),
+        }
+    }
+
+    pub fn wire(self) -> u8 {
+        match self {
+            Kind::Data => 0x0,
+            Kind::Headers => 0x1,
+            Kind::Priority => 0x2,
+            Kind::RstStream => 0x3,
+            Kind::Settings => 0x4,
+            Kind::PushPromise => 0x5,
+            Kind::Ping => 0x6,
+            Kind::GoAway => 0x7,
+            Kind::WindowUpdate => 0x8,
+            Kind::Continuation => 0x9,
+            Kind::Other(b) => b,
+        }
+    }
+}
+
+/// The RFC's name, for errors that name a frame.
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Kind::Data => "DATA",
+            Kind::Headers => "HEADERS",
+            Kind::Priority => "PRIORITY",
+            Kind::RstStream => "RST_STREAM",
+            Kind::Settings => "SETTINGS",
+            Kind::PushPromise => "PUSH_PROMISE",
+            Kind::Ping => "PING",
+            Kind::GoAway => "GOAWAY",
+            Kind::WindowUpdate => "WINDOW_UPDATE",
+            Kind::Continuation => "CONTINUATION",
+            Kind::Other(b) => return write!(f, "{b:#x}"),
+        };
+        f.write_str(name)
+    }
+}
 
 pub const END_STREAM: u8 = 0x1;
 /// On SETTINGS and PING (the same bit as END_STREAM).
@@ -28,16 +91,23 @@ pub const END_HEADERS: u8 = 0x4;
 pub const PADDED: u8 = 0x8;
 pub const PRIORITY: u8 = 0x20;
 
-pub const NO_ERROR: u32 = 0x0;
-pub const REFUSED_STREAM: u32 = 0x7;
-pub const CANCEL: u32 = 0x8;
-pub const COMPRESSION_ERROR: u32 = 0x9;
+/// An error code of RST_STREAM and GOAWAY (RFC 9113 §7): the ones the
+/// splice sends itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reason(pub u32);
+
+impl Reason {
+    pub const NO_ERROR: Reason = Reason(0x0);
+    pub const REFUSED_STREAM: Reason = Reason(0x7);
+    pub const CANCEL: Reason = Reason(0x8);
+    pub const COMPRESSION_ERROR: Reason = Reason(0x9);
+}
 
 /// A parsed 9-byte frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Head {
     pub len: usize,
-    pub kind: u8,
+    pub kind: Kind,
     pub flags: u8,
     pub stream: u32,
 }
@@ -46,7 +116,7 @@ impl Head {
     pub fn parse(b: &[u8]) -> Head {
         Head {
             len: (b[0] as usize) << 16 | (b[1] as usize) << 8 | b[2] as usize,
-            kind: b[3],
+            kind: Kind::from_wire(b[3]),
             flags: b[4],
             stream: u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff,
         }
@@ -71,7 +141,7 @@ pub fn content(head: &Head, payload: &[u8]) -> Result<std::ops::Range<usize>, Ba
         pad = *payload.first().ok_or(BadPadding(payload.len()))? as usize;
         start = 1;
     }
-    if head.kind == HEADERS && head.has(PRIORITY) {
+    if head.kind == Kind::Headers && head.has(PRIORITY) {
         start += 5;
     }
     let end = payload
@@ -82,9 +152,9 @@ pub fn content(head: &Head, payload: &[u8]) -> Result<std::ops::Range<usize>, Ba
     Ok(start..end)
 }
 
-fn put_head(out: &mut BytesMut, len: usize, kind: u8, flags: u8, stream: u32) {
+fn put_head(out: &mut BytesMut, len: usize, kind: Kind, flags: u8, stream: u32) {
     out.put_uint(len as u64, 3);
-    out.put_u8(kind);
+    out.put_u8(kind.wire());
     out.put_u8(flags);
     out.put_u32(stream & 0x7fff_ffff);
 }
@@ -97,30 +167,30 @@ pub fn window_update(stream: u32, mut n: u64) -> Option<Bytes> {
     let mut out = BytesMut::new();
     while n > 0 {
         let step = n.min(0x7fff_ffff);
-        put_head(&mut out, 4, WINDOW_UPDATE, 0, stream);
+        put_head(&mut out, 4, Kind::WindowUpdate, 0, stream);
         out.put_u32(step as u32);
         n -= step;
     }
     Some(out.freeze())
 }
 
-pub fn rst_stream(stream: u32, code: u32) -> Bytes {
+pub fn rst_stream(stream: u32, code: Reason) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + 4);
-    put_head(&mut out, 4, RST_STREAM, 0, stream);
-    out.put_u32(code);
+    put_head(&mut out, 4, Kind::RstStream, 0, stream);
+    out.put_u32(code.0);
     out.freeze()
 }
 
-pub fn goaway(last_stream: u32, code: u32) -> Bytes {
+pub fn goaway(last_stream: u32, code: Reason) -> Bytes {
     goaway_saying(last_stream, code, "")
 }
 
 /// GOAWAY with debug data: a reason the peer's HTTP/2 library logs.
-pub fn goaway_saying(last_stream: u32, code: u32, debug: &str) -> Bytes {
+pub fn goaway_saying(last_stream: u32, code: Reason, debug: &str) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + 8 + debug.len());
-    put_head(&mut out, 8 + debug.len(), GOAWAY, 0, 0);
+    put_head(&mut out, 8 + debug.len(), Kind::GoAway, 0, 0);
     out.put_u32(last_stream & 0x7fff_ffff);
-    out.put_u32(code);
+    out.put_u32(code.0);
     out.put_slice(debug.as_bytes());
     out.freeze()
 }
@@ -132,7 +202,7 @@ pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) 
         out,
         stream,
         block,
-        [HEADERS, CONTINUATION],
+        [Kind::Headers, Kind::Continuation],
         first,
         END_HEADERS,
     );
@@ -141,7 +211,7 @@ pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) 
 /// `payload` in frames of at most [`EMIT_PAYLOAD`] (at least one frame, so
 /// the flags always have a frame to ride on): `kinds` are the first and the
 /// following frames' types; `first` flags go on the first, `last` on the last.
-fn chunked(out: &mut BytesMut, stream: u32, payload: &[u8], kinds: [u8; 2], first: u8, last: u8) {
+fn chunked(out: &mut BytesMut, stream: u32, payload: &[u8], kinds: [Kind; 2], first: u8, last: u8) {
     let n = payload.len().div_ceil(EMIT_PAYLOAD).max(1);
     for i in 0..n {
         let chunk = &payload
@@ -165,7 +235,7 @@ pub fn header_frames<R>(
     fill: impl FnOnce(&mut BytesMut) -> R,
 ) -> R {
     let start = out.len();
-    put_head(out, 0, HEADERS, 0, stream);
+    put_head(out, 0, Kind::Headers, 0, stream);
     let r = fill(out);
     let len = out.len() - start - HEADER_LEN;
     if len <= EMIT_PAYLOAD {
@@ -182,7 +252,7 @@ pub fn header_frames<R>(
 /// DATA frames carrying `payload` (at least one frame, so END_STREAM fits).
 pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
     let last = if end_stream { END_STREAM } else { 0 };
-    chunked(out, stream, payload, [DATA, DATA], 0, last);
+    chunked(out, stream, payload, [Kind::Data, Kind::Data], 0, last);
 }
 
 #[cfg(test)]
@@ -201,12 +271,15 @@ mod tests {
         let h1 = Head::parse(&out[..9]);
         assert_eq!(
             (h1.kind, h1.len, h1.flags),
-            (HEADERS, EMIT_PAYLOAD, END_STREAM)
+            (Kind::Headers, EMIT_PAYLOAD, END_STREAM)
         );
         let h2 = Head::parse(&out[9 + EMIT_PAYLOAD..]);
-        assert_eq!((h2.kind, h2.flags, h2.stream), (CONTINUATION, 0, 3));
+        assert_eq!((h2.kind, h2.flags, h2.stream), (Kind::Continuation, 0, 3));
         let h3 = Head::parse(&out[18 + 2 * EMIT_PAYLOAD..]);
-        assert_eq!((h3.kind, h3.len, h3.flags), (CONTINUATION, 5, END_HEADERS));
+        assert_eq!(
+            (h3.kind, h3.len, h3.flags),
+            (Kind::Continuation, 5, END_HEADERS)
+        );
         assert_eq!(out.len(), 27 + block.len());
     }
 
@@ -220,7 +293,7 @@ mod tests {
             Head::parse(&small),
             Head {
                 len: 1,
-                kind: HEADERS,
+                kind: Kind::Headers,
                 flags: END_HEADERS | END_STREAM,
                 stream: 5
             }
@@ -242,7 +315,7 @@ mod tests {
     fn padding_and_priority_are_stripped() {
         let head = Head {
             len: 10,
-            kind: HEADERS,
+            kind: Kind::Headers,
             flags: PADDED | PRIORITY,
             stream: 1,
         };
@@ -250,7 +323,7 @@ mod tests {
         assert_eq!(content(&head, &payload), Ok(6..8));
         let bad = Head {
             len: 2,
-            kind: DATA,
+            kind: Kind::Data,
             flags: PADDED,
             stream: 1,
         };
@@ -263,8 +336,11 @@ mod tests {
         assert!(window_update(0, 0).is_none());
         let w = window_update(0, (1 << 31) + 5).unwrap();
         assert_eq!(w.len(), 26);
-        assert_eq!(Head::parse(&rst_stream(5, CANCEL)).kind, RST_STREAM);
-        let g = goaway(9, NO_ERROR);
+        assert_eq!(
+            Head::parse(&rst_stream(5, Reason::CANCEL)).kind,
+            Kind::RstStream
+        );
+        let g = goaway(9, Reason::NO_ERROR);
         assert_eq!(&g[9..13], &9u32.to_be_bytes());
         let mut d = BytesMut::new();
         data(1, &[], true, &mut d);

@@ -23,7 +23,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head};
+use super::frame::{self, Head, Reason};
 use super::hpack;
 use super::pump::Verdict;
 use super::streams::{error_reply, State};
@@ -342,7 +342,7 @@ impl Held {
             .push_back(error_reply(stream, status.code(), status.message()));
         out.down.extend(self.reply.reset.clone());
         if !self.reply.done {
-            out.up.push_back(frame::rst_stream(stream, frame::CANCEL));
+            out.up.push_back(frame::rst_stream(stream, Reason::CANCEL));
         }
         self.credit_back(out);
     }
@@ -496,8 +496,8 @@ impl State {
 #[cfg(test)]
 mod tests {
     //! Frame-level checks with both peers played by hand.
-    use super::super::frame;
     use super::super::frame::Head;
+    use super::super::frame::{self, Kind};
     use super::super::testing::*;
     use std::sync::Arc;
     use tokio::io::AsyncWriteExt;
@@ -516,7 +516,7 @@ mod tests {
         let (mut client, mut server, task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Held"));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         server.write_all(&ok_reply(1)).await.unwrap();
         let reached = |i: usize| {
@@ -543,9 +543,9 @@ mod tests {
         let rules = Rules::new(true, false, Arc::new(Notify::new()));
         let (mut client, mut server, _task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
-        sent.extend(frame(4, 0, 0, &[]));
+        sent.extend(frame(Kind::Settings, 0, 0, &[]));
         sent.extend(request(1, "/t.S/Held"));
-        sent.extend(frame(frame::DATA, 0, 1, &MSG));
+        sent.extend(frame(Kind::Data, 0, 1, &MSG));
         let got = relay(&mut client, &mut server, &sent).await;
         assert_eq!(got, sent, "client frames reach containerd byte for byte");
 
@@ -553,12 +553,12 @@ mod tests {
         let reply = ok_reply(1);
         server.write_all(&reply).await.unwrap();
         client
-            .write_all(&frame(frame::DATA, frame::END_STREAM, 1, &[]))
+            .write_all(&frame(Kind::Data, frame::END_STREAM, 1, &[]))
             .await
             .unwrap();
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (frame::HEADERS, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM), "Trailers-Only error reply");
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -569,9 +569,9 @@ mod tests {
 
         // containerd gets the END_STREAM and its 5 DATA bytes of credit back.
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.flags), (frame::DATA, frame::END_STREAM));
+        assert_eq!((h.kind, h.flags), (Kind::Data, frame::END_STREAM));
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (frame::WINDOW_UPDATE, 0));
+        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes());
     }
 
@@ -585,7 +585,7 @@ mod tests {
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Held"));
         let compressed = [1, 0, 0, 0, 3, 0xaa, 0xbb, 0xcc];
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &compressed));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &compressed));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
         server.write_all(&ok_reply(1)).await.unwrap();
@@ -595,14 +595,14 @@ mod tests {
         loop {
             let (h, p) = read_frame(&mut client).await;
             match h.kind {
-                frame::HEADERS => {
+                Kind::Headers => {
                     for (n, v) in dec.decode(&p).unwrap() {
                         if n == b"grpc-status" {
                             statuses.push(v);
                         }
                     }
                 }
-                frame::DATA => data.extend(p),
+                Kind::Data => data.extend(p),
                 _ => {}
             }
             if h.has(frame::END_STREAM) {
@@ -628,9 +628,9 @@ mod tests {
         const WINDOW: usize = 1000;
         let initial_window = [&4u16.to_be_bytes()[..], &(WINDOW as u32).to_be_bytes()].concat();
         let mut sent = frame::PREFACE.to_vec();
-        sent.extend(frame(frame::SETTINGS, 0, 0, &initial_window));
+        sent.extend(frame(Kind::Settings, 0, 0, &initial_window));
         sent.extend(request(1, "/t.S/Held"));
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
         // One reply message of 3000 bytes: field 1, 2997 bytes long.
@@ -642,26 +642,26 @@ mod tests {
         assert!(data.len() > WINDOW);
         // containerd, keeping to the window: headers and the first WINDOW bytes.
         let mut first = frame(
-            frame::HEADERS,
+            Kind::Headers,
             frame::END_HEADERS,
             1,
             &block(&[(":status", "200")]),
         );
-        first.extend(frame(frame::DATA, 0, 1, &data[..WINDOW]));
+        first.extend(frame(Kind::Data, 0, 1, &data[..WINDOW]));
         server.write_all(&first).await.unwrap();
 
         // The client grants the rest; containerd sees the grant and sends it.
         let rest = (data.len() - WINDOW) as u32;
-        let grant = frame(frame::WINDOW_UPDATE, 0, 1, &rest.to_be_bytes());
+        let grant = frame(Kind::WindowUpdate, 0, 1, &rest.to_be_bytes());
         client.write_all(&grant).await.unwrap();
         assert_eq!(
             read_frame(&mut server).await,
             (Head::parse(&grant), grant[9..].to_vec())
         );
-        let mut second = frame(frame::DATA, 0, 1, &data[WINDOW..]);
+        let mut second = frame(Kind::Data, 0, 1, &data[WINDOW..]);
         let trailers = block(&[("grpc-status", "0")]);
         second.extend(frame(
-            frame::HEADERS,
+            Kind::Headers,
             frame::END_HEADERS | frame::END_STREAM,
             1,
             &trailers,
@@ -674,8 +674,8 @@ mod tests {
             let (h, p) = read_frame(&mut client).await;
             assert_eq!(h.stream, 1, "{h:?}");
             match h.kind {
-                frame::DATA => got.extend(p),
-                frame::HEADERS => {
+                Kind::Data => got.extend(p),
+                Kind::Headers => {
                     let f = fields(&p);
                     if let Some((_, v)) = f.iter().find(|(n, _)| n == "grpc-status") {
                         status = Some(v.clone());

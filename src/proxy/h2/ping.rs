@@ -2,7 +2,7 @@
 //!
 //! containerd (a grpc-go server, with the default keepalive policy) counts
 //! a strike for a client PING that arrives when it has written no HEADERS
-//! or DATA since the previous PING, and after the third sends
+//! or DATA since the previous Kind::Ping, and after the third sends
 //! `GOAWAY(ENHANCE_YOUR_CALM, "too_many_pings")` and closes the connection.
 //! Clients with an adaptive window (grpc-go always: ctr, nerdctl, buildkitd;
 //! hyper/tonic when asked) send a BDP PING on the first DATA they receive
@@ -22,24 +22,23 @@
 //!   PINGs gets containerd's answer to all but a few of them;
 //! - containerd may count it: it has written no HEADERS/DATA since it
 //!   ACKed every PING it was sent. What it writes while a PING is on its
-//!   way may have been written before it read that PING, so it does not
+//!   way may have been written before it read that Kind::Ping, so it does not
 //!   count (an answer too many costs nothing; a strike too many adds up).
 //!
-//! Every other PING, and every PING ACK, passes untouched: containerd's own
+//! Every other Kind::Ping, and every PING ACK, passes untouched: containerd's own
 //! flood protection keeps working.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::frame::{Head, HEADER_LEN};
+use super::frame::{Head, Kind, HEADER_LEN};
 use super::pump::Verdict;
 use super::{Out, Side};
 
 /// The PING frame type (RFC 9113 §6.7).
-pub(super) const PING: u8 = 0x6;
 /// A PING's payload: always 8 bytes.
 const PAYLOAD: usize = 8;
 
-/// What containerd will make of the client's next PING, as far as the
+/// What containerd will make of the client's next Kind::Ping, as far as the
 /// splice can tell from the frames between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Upstream {
@@ -145,7 +144,7 @@ impl Pings {
 fn ack_of(payload: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + PAYLOAD);
     out.put_uint(PAYLOAD as u64, 3);
-    out.put_u8(PING);
+    out.put_u8(Kind::Ping.wire());
     out.put_u8(super::frame::ACK);
     out.put_u32(0);
     out.put_slice(payload);
@@ -165,7 +164,7 @@ mod tests {
     /// What `pings` does with `from`'s PING (ACK if `ack`), and the frames
     /// it queued for the client.
     fn ping(pings: &mut Pings, from: Side, ack: bool) -> (Verdict, Vec<Bytes>) {
-        let f = frame(PING, if ack { frame::ACK } else { 0 }, 0, &DATA);
+        let f = frame(Kind::Ping, if ack { frame::ACK } else { 0 }, 0, &DATA);
         let (mut up, mut down) = (VecDeque::new(), VecDeque::new());
         let out = Out {
             up: &mut up,
@@ -196,7 +195,7 @@ mod tests {
         assert_eq!(v, Verdict::Swallow);
         assert_eq!(
             down,
-            [Bytes::from(frame(PING, frame::ACK, 0, &DATA))],
+            [Bytes::from(frame(Kind::Ping, frame::ACK, 0, &DATA))],
             "ACK with the same payload"
         );
         assert_eq!(client(&mut p), Verdict::Forward, "one answer per release");
@@ -263,7 +262,10 @@ mod tests {
         assert_eq!(ping(&mut p, Side::Containerd, false).0, Verdict::Forward);
         assert_eq!(ping(&mut p, Side::Client, true).0, Verdict::Forward);
         let (mut up, mut down) = (VecDeque::new(), VecDeque::new());
-        for bad in [frame(PING, 0, 1, &DATA), frame(PING, 0, 0, &DATA[..7])] {
+        for bad in [
+            frame(Kind::Ping, 0, 1, &DATA),
+            frame(Kind::Ping, 0, 0, &DATA[..7]),
+        ] {
             let out = Out {
                 up: &mut up,
                 down: &mut down,
@@ -281,35 +283,41 @@ mod tests {
     #[tokio::test]
     async fn the_ping_a_release_causes_is_answered_by_the_splice() {
         let (mut client, mut server, _task, gate, _) =
-            held_call_sent(&frame(PING, 0, 0, &DATA)).await;
+            held_call_sent(&frame(Kind::Ping, 0, 0, &DATA)).await;
         // containerd answers the call (held), then the PING.
         let mut reply = ok_reply(1);
-        reply.extend(frame(PING, frame::ACK, 0, &DATA));
+        reply.extend(frame(Kind::Ping, frame::ACK, 0, &DATA));
         server.write_all(&reply).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.flags, &p[..]), (PING, frame::ACK, &DATA[..]));
+        assert_eq!(
+            (h.kind, h.flags, &p[..]),
+            (Kind::Ping, frame::ACK, &DATA[..])
+        );
 
         gate.notify_one();
-        for kind in [frame::HEADERS, frame::DATA, frame::HEADERS] {
+        for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
             assert_eq!(read_frame(&mut client).await.0.kind, kind);
         }
-        let bdp = frame(PING, 0, 0, &[9; 8]);
+        let bdp = frame(Kind::Ping, 0, 0, &[9; 8]);
         client.write_all(&bdp).await.unwrap();
         let answer = read_frame(&mut client);
         let (h, p) = tokio::time::timeout(std::time::Duration::from_secs(5), answer)
             .await
             .expect("the splice answers the PING");
-        assert_eq!((h.kind, h.flags, &p[..]), (PING, frame::ACK, &[9; 8][..]));
+        assert_eq!(
+            (h.kind, h.flags, &p[..]),
+            (Kind::Ping, frame::ACK, &[9; 8][..])
+        );
 
         // containerd speaks: the next PING is its to answer.
         let mut sent = request(3, "/t.S/Plain");
-        sent.extend(frame(frame::DATA, frame::END_STREAM, 3, &MSG));
+        sent.extend(frame(Kind::Data, frame::END_STREAM, 3, &MSG));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
         let plain = ok_reply(3);
         server.write_all(&plain).await.unwrap();
         let mut got = vec![0; plain.len()];
         client.read_exact(&mut got).await.unwrap();
-        let next = frame(PING, 0, 0, &[7; 8]);
+        let next = frame(Kind::Ping, 0, 0, &[7; 8]);
         assert_eq!(relay(&mut client, &mut server, &next).await, next);
     }
 }

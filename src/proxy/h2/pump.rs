@@ -10,7 +10,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 
-use super::frame::{self, Head, HEADER_LEN};
+use super::frame::{self, Head, Kind, HEADER_LEN};
 use super::streams::State;
 use super::{malformed, Out, Side, SpliceError};
 use crate::proxy::sock::Sock;
@@ -196,17 +196,17 @@ impl Pump {
             if head.len > limit {
                 return Err(SpliceError::FrameTooLarge(self.from, head.len, limit));
             }
-            if self.from == Side::Containerd && matches!(head.kind, frame::DATA | frame::HEADERS) {
+            if self.from == Side::Containerd && matches!(head.kind, Kind::Data | Kind::Headers) {
                 st.pings.containerd_wrote(); // may run again for the same frame: idempotent
             }
-            if self.block.is_some() && head.kind != frame::CONTINUATION {
+            if self.block.is_some() && head.kind != Kind::Continuation {
                 return Err(SpliceError::Malformed(
                     self.from,
                     format!("frame type {} inside a header block", head.kind),
                 ));
             }
             if !st.whole(self.from, &head) {
-                if self.from == Side::Containerd && head.kind == frame::DATA {
+                if self.from == Side::Containerd && head.kind == Kind::Data {
                     if head.has(frame::END_STREAM) {
                         self.settle(st)?; // the call's status first
                     }
@@ -223,7 +223,7 @@ impl Pump {
                 return Ok(());
             }
             if self.from == Side::Containerd
-                && head.kind == frame::HEADERS
+                && head.kind == Kind::Headers
                 && head.has(frame::END_HEADERS)
                 && head.stream != 0
                 && st.passes(head.stream)
@@ -483,8 +483,9 @@ pub(super) enum Verdict {
 
 #[cfg(test)]
 mod tests {
+    use super::super::frame::{self, Kind};
     use super::super::testing::*;
-    use super::super::{frame, Side, SpliceError};
+    use super::super::{Side, SpliceError};
     use std::sync::Arc;
     use tokio::io::AsyncWriteExt;
     use tokio::sync::Notify;
@@ -497,8 +498,8 @@ mod tests {
         let rules = Rules::new(false, false, Arc::new(Notify::new()));
         let (mut client, _server, task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
-        sent.extend(frame(frame::SETTINGS, 0, 0, &[]));
-        sent.extend(frame(frame::DATA, 0, 1, &vec![0; 16_385]));
+        sent.extend(frame(Kind::Settings, 0, 0, &[]));
+        sent.extend(frame(Kind::Data, 0, 1, &vec![0; 16_385]));
         client.write_all(&sent).await.unwrap();
         let r = task.await.unwrap();
         assert!(

@@ -10,10 +10,10 @@ use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
 
-use super::frame::{self, Head, HEADER_LEN};
+use super::frame::{self, Head, Kind, Reason, HEADER_LEN};
 use super::held::{Held, Outcome};
 use super::hpack::{self, Decoder};
-use super::ping::{self, Pings};
+use super::ping::Pings;
 use super::pump::{Block, Verdict};
 use super::settings::Advertised;
 use super::watched::{Step, Watched};
@@ -200,13 +200,13 @@ impl State {
     /// Whether a frame must be in the buffer whole before it is classified.
     pub(super) fn whole(&self, from: Side, head: &Head) -> bool {
         match head.kind {
-            frame::HEADERS
-            | frame::CONTINUATION
-            | frame::RST_STREAM
-            | frame::PUSH_PROMISE
-            | frame::SETTINGS
-            | ping::PING => true,
-            frame::DATA => self.calls.get(&head.stream).is_some_and(|c| {
+            Kind::Headers
+            | Kind::Continuation
+            | Kind::RstStream
+            | Kind::PushPromise
+            | Kind::Settings
+            | Kind::Ping => true,
+            Kind::Data => self.calls.get(&head.stream).is_some_and(|c| {
                 c.refused
                     || c.watch.is_some()
                     || c.held
@@ -243,7 +243,7 @@ impl State {
                 continue;
             }
             call.refused = true;
-            out.up.push_back(frame::rst_stream(stream, frame::CANCEL));
+            out.up.push_back(frame::rst_stream(stream, Reason::CANCEL));
             let code = tonic::Code::Unavailable;
             out.down.push_back(match call.replied {
                 true => error_trailers(stream, code, RESTARTING),
@@ -282,7 +282,7 @@ impl State {
             false => Verdict::Swallow,
         };
         match head.kind {
-            frame::HEADERS => {
+            Kind::Headers => {
                 if head.stream == 0 {
                     return Err(malformed(from, "HEADERS on stream 0"));
                 }
@@ -303,7 +303,7 @@ impl State {
                 }
                 Ok(verdict(forward))
             }
-            frame::CONTINUATION => {
+            Kind::Continuation => {
                 let mut b = match block.take() {
                     Some(b) if b.stream == head.stream => b,
                     _ => return Err(malformed(from, "CONTINUATION without its HEADERS")),
@@ -324,15 +324,15 @@ impl State {
                 }
                 Ok(verdict(forward))
             }
-            frame::DATA => self.data(from, head, frame, out),
-            frame::RST_STREAM => {
+            Kind::Data => self.data(from, head, frame, out),
+            Kind::RstStream => {
                 if payload.len() != 4 {
                     return Err(malformed(from, "RST_STREAM is not 4 bytes"));
                 }
                 Ok(self.reset(from, head.stream, frame, out))
             }
-            frame::PUSH_PROMISE if from == Side::Containerd => Err(SpliceError::Push),
-            ping::PING => {
+            Kind::PushPromise if from == Side::Containerd => Err(SpliceError::Push),
+            Kind::Ping => {
                 let v = self.pings.frame(from, head, frame, out);
                 if v == Verdict::Swallow && from == Side::Client {
                     if let Some(o) = &self.ctx.observer {
@@ -341,7 +341,7 @@ impl State {
                 }
                 Ok(v)
             }
-            frame::SETTINGS if head.stream == 0 => {
+            Kind::Settings if head.stream == 0 => {
                 self.settings(from, head, payload)?;
                 Ok(Verdict::Forward)
             }
@@ -529,8 +529,8 @@ impl State {
             return Ok(());
         }
         if self.goaway.is_some_and(|last| stream > last) {
-            out.up.push_back(frame::rst_stream(stream, frame::CANCEL));
-            (out.down).push_back(frame::rst_stream(stream, frame::REFUSED_STREAM));
+            out.up.push_back(frame::rst_stream(stream, Reason::CANCEL));
+            (out.down).push_back(frame::rst_stream(stream, Reason::REFUSED_STREAM));
             let call = Call {
                 guard: None,
                 held: None,
@@ -777,7 +777,7 @@ pub(super) fn error_reply(stream: u32, code: tonic::Code, message: &str) -> Byte
 #[cfg(test)]
 mod tests {
     //! Frame-level checks with both peers played by hand.
-    use super::super::frame;
+    use super::super::frame::{self, Kind};
     use super::super::testing::*;
     use super::super::MAX_CONTINUATIONS;
     use super::*;
@@ -788,7 +788,7 @@ mod tests {
     #[tokio::test]
     async fn held_reply_released_after_later_replies_decodes_with_one_hpack_state() {
         let mut plain = request(3, "/t.S/Plain");
-        plain.extend(frame(frame::DATA, frame::END_STREAM, 3, &MSG));
+        plain.extend(frame(Kind::Data, frame::END_STREAM, 3, &MSG));
         let (mut client, mut server, _task, gate, _) = held_call_sent(&plain).await;
 
         // containerd's encoder indexes: the second block refers to entries
@@ -804,11 +804,11 @@ mod tests {
         for stream in [1u32, 3] {
             let b = enc.encode(fields.iter().copied());
             blocks.push(b.clone());
-            reply.extend(frame(frame::HEADERS, frame::END_HEADERS, stream, &b));
-            reply.extend(frame(frame::DATA, 0, stream, &MSG));
+            reply.extend(frame(Kind::Headers, frame::END_HEADERS, stream, &b));
+            reply.extend(frame(Kind::Data, 0, stream, &MSG));
             let t = enc.encode([(&b"grpc-status"[..], &b"0"[..])]);
             reply.extend(frame(
-                frame::HEADERS,
+                Kind::Headers,
                 frame::END_HEADERS | frame::END_STREAM,
                 stream,
                 &t,
@@ -827,7 +827,7 @@ mod tests {
                 gate.notify_one();
             }
             let (h, p) = read_frame(&mut client).await;
-            if h.kind == frame::HEADERS {
+            if h.kind == Kind::Headers {
                 let f = dec.decode(&p).unwrap();
                 let has = |n: &[u8], v: &[u8]| f.contains(&(n.to_vec(), v.to_vec()));
                 assert!(
@@ -837,7 +837,7 @@ mod tests {
             }
             order.push((h.stream, h.kind));
         }
-        let h = (frame::HEADERS, frame::DATA);
+        let h = (Kind::Headers, Kind::Data);
         assert_eq!(
             order,
             [(3, h.0), (3, h.1), (3, h.0), (1, h.0), (1, h.1), (1, h.0)]
@@ -852,7 +852,7 @@ mod tests {
         let mut sent = frame::PREFACE.to_vec();
         for (stream, path) in [(1, "/t.S/Plain"), (3, "/t.S/Held"), (5, "/t.S/Plain")] {
             sent.extend(request(stream, path));
-            sent.extend(frame(frame::DATA, frame::END_STREAM, stream, &MSG));
+            sent.extend(frame(Kind::Data, frame::END_STREAM, stream, &MSG));
         }
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
 
@@ -869,10 +869,10 @@ mod tests {
                 enc.encode(head),
                 enc.encode([(&b"grpc-status"[..], &b"0"[..])]),
             );
-            let mut r = frame(frame::HEADERS, frame::END_HEADERS, stream, &h);
-            r.extend(frame(frame::DATA, 0, stream, &MSG));
+            let mut r = frame(Kind::Headers, frame::END_HEADERS, stream, &h);
+            r.extend(frame(Kind::Data, 0, stream, &MSG));
             let end = frame::END_HEADERS | frame::END_STREAM;
-            r.extend(frame(frame::HEADERS, end, stream, &t));
+            r.extend(frame(Kind::Headers, end, stream, &t));
             blocks.push([h, t]);
             r
         };
@@ -900,7 +900,7 @@ mod tests {
         for _ in 0..3 {
             let (h, p) = read_frame(&mut client).await;
             assert_eq!(h.stream, 3);
-            if h.kind == frame::HEADERS {
+            if h.kind == Kind::Headers {
                 let f = dec.decode(&p).unwrap();
                 assert!(
                     f.contains(&(b"content-type".to_vec(), b"application/grpc".to_vec()))
@@ -910,7 +910,7 @@ mod tests {
             }
             kinds.push(h.kind);
         }
-        assert_eq!(kinds, [frame::HEADERS, frame::DATA, frame::HEADERS]);
+        assert_eq!(kinds, [Kind::Headers, Kind::Data, Kind::Headers]);
     }
 
     /// Requests repeat their header block byte for byte, and the decoded
@@ -965,9 +965,9 @@ mod tests {
         let (mut client, _server, task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
         let b = block(&[(":method", "POST"), (":path", "/t.S/Plain")]);
-        sent.extend(frame(frame::HEADERS, 0, 1, &b));
+        sent.extend(frame(Kind::Headers, 0, 1, &b));
         for _ in 0..=MAX_CONTINUATIONS {
-            sent.extend(frame(frame::CONTINUATION, 0, 1, &[]));
+            sent.extend(frame(Kind::Continuation, 0, 1, &[]));
         }
         let _ = client.write_all(&sent).await; // the splice may stop reading
         let r = tokio::time::timeout(std::time::Duration::from_secs(5), task)
@@ -987,11 +987,11 @@ mod tests {
         let (mut client, mut server, _task) = start(rules);
         let mut sent = frame::PREFACE.to_vec();
         let b = block(&[(":method", "POST"), (":path", "/t.S/Plain")]);
-        sent.extend(frame(frame::HEADERS, 0, 1, &b));
+        sent.extend(frame(Kind::Headers, 0, 1, &b));
         for _ in 1..MAX_CONTINUATIONS {
-            sent.extend(frame(frame::CONTINUATION, 0, 1, &[]));
+            sent.extend(frame(Kind::Continuation, 0, 1, &[]));
         }
-        sent.extend(frame(frame::CONTINUATION, frame::END_HEADERS, 1, &[]));
+        sent.extend(frame(Kind::Continuation, frame::END_HEADERS, 1, &[]));
         assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
     }
 
@@ -1018,7 +1018,7 @@ mod tests {
         assert!(r.is_err(), "over the 4096 containerd allows: {r:?}");
 
         let mut st = State::new(st.ctx.clone());
-        let settings = frame(frame::SETTINGS, 0, 0, &[0, 1, 0, 0, 0x20, 0]);
+        let settings = frame(Kind::Settings, 0, 0, &[0, 1, 0, 0, 0x20, 0]);
         let head = Head::parse(&settings);
         for from in [Side::Client, Side::Containerd] {
             // The client's SETTINGS say nothing about its own blocks.

@@ -11,7 +11,7 @@ use tokio::net::UnixStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::frame::{self, Head, HEADER_LEN};
+use super::frame::{self, Head, Kind, HEADER_LEN};
 use super::{hpack, run, Ctx, SpliceError};
 use crate::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
 use crate::proxy::observe::CallObserver;
@@ -68,10 +68,10 @@ impl Interceptor for Rules {
     }
 }
 
-pub(super) fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+pub(super) fn frame(kind: Kind, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::new();
     f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
-    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&[kind.wire(), flags]);
     f.extend_from_slice(&stream.to_be_bytes());
     f.extend_from_slice(payload);
     f
@@ -92,7 +92,7 @@ pub(super) fn request(stream: u32, path: &str) -> Vec<u8> {
         (":path", path),
         (":authority", "x"),
     ]);
-    frame(frame::HEADERS, frame::END_HEADERS, stream, &b)
+    frame(Kind::Headers, frame::END_HEADERS, stream, &b)
 }
 
 pub(super) async fn read_frame(s: &mut UnixStream) -> (Head, Vec<u8>) {
@@ -148,7 +148,7 @@ pub(super) async fn held_call_sent(
     let (mut client, mut server, task) = start(Rules::new(false, true, gate.clone()));
     let mut sent = frame::PREFACE.to_vec();
     sent.extend(request(1, "/t.S/Held"));
-    sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+    sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
     sent.extend(more);
     assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
     (client, server, task, gate, sent)
@@ -159,15 +159,15 @@ pub(super) const MSG: [u8; 5] = [0, 0, 0, 0, 0];
 /// containerd's OK reply to a unary call: headers, one message, trailers.
 pub(super) fn ok_reply(stream: u32) -> Vec<u8> {
     let mut r = frame(
-        frame::HEADERS,
+        Kind::Headers,
         frame::END_HEADERS,
         stream,
         &block(&[(":status", "200")]),
     );
-    r.extend(frame(frame::DATA, 0, stream, &MSG));
+    r.extend(frame(Kind::Data, 0, stream, &MSG));
     let t = block(&[("grpc-status", "0")]);
     r.extend(frame(
-        frame::HEADERS,
+        Kind::Headers,
         frame::END_HEADERS | frame::END_STREAM,
         stream,
         &t,
@@ -193,7 +193,7 @@ pub(super) async fn call_in_flight(drain: CancellationToken) -> (UnixStream, Uni
     let (mut client, mut server, task) = start_with(rules, drain);
     let mut sent = frame::PREFACE.to_vec();
     sent.extend(request(1, "/t.S/Plain"));
-    sent.extend(frame(frame::DATA, frame::END_STREAM, 1, &MSG));
+    sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
     assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
     (client, server, task)
 }

@@ -13,7 +13,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head};
+use super::frame::{self, Head, Kind};
 use super::held::Outcome;
 use super::hpack;
 use super::streams::State;
@@ -289,8 +289,8 @@ impl Watched {
             match k {
                 Kept::Frame(f) => {
                     let head = Head::parse(&f);
-                    r.ended |= head.kind == frame::RST_STREAM || head.has(frame::END_STREAM);
-                    if head.kind == frame::DATA {
+                    r.ended |= head.kind == Kind::RstStream || head.has(frame::END_STREAM);
+                    if head.kind == Kind::Data {
                         r.data += head.len as u64;
                     }
                     frames.extend_from_slice(&f);
