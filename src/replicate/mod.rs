@@ -920,7 +920,9 @@ impl Replicator {
         let me = self.clone();
         let (src, n) = (source.to_string(), name.to_string());
         let span = span::InterceptSpan::new(method, source, name);
-        // Detached: a caller that gives up must not leave a replica half done.
+        // On the replicator's runtime, not the connection's; detached, so a
+        // caller that gives up (any caller, not only the splice, which runs
+        // hooks as tasks too) never leaves a replica half done.
         let task =
             async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone());
         let res = match &self.rt {

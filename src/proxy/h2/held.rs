@@ -398,6 +398,20 @@ impl State {
         }
     }
 
+    /// Runs `work`, for a call containerd has carried out, as a task of its
+    /// own, then queues `then` of its result: a client that hangs up ends
+    /// the connection and drops `hooks`, which must not cancel the work (a
+    /// reset Create's replication once was, before it had started).
+    pub(super) fn detach<T: Send + 'static>(
+        &mut self,
+        work: impl std::future::Future<Output = T> + Send + 'static,
+        then: impl FnOnce(Result<T, tokio::task::JoinError>) -> Outcome + Send + 'static,
+    ) {
+        let task = tokio::spawn(work);
+        self.hooks_added = true;
+        self.hooks.push(Box::pin(async move { then(task.await) }));
+    }
+
     /// Runs the `after` hook once both request and reply are in, or releases
     /// the reply untouched when there is nothing to act on.
     pub(super) fn try_finish(&mut self, stream: u32, out: Out<'_>) {
@@ -408,22 +422,15 @@ impl State {
             return;
         }
         match held.reply_complete() {
-            Ok((hook, rq, rs)) => {
-                // containerd carried the call out: the hook is a task of its
-                // own, so a client that hangs up (the connection, and its
-                // `hooks`, dropped) does not cancel the replication.
-                let work = tokio::spawn(hook.after(rq, rs));
-                self.hooks_added = true;
-                self.hooks.push(Box::pin(async move {
-                    let result = work.await.unwrap_or_else(|e| {
-                        tracing::error!(error = %e, "a replication hook panicked");
-                        Err(tonic::Status::internal(format!(
-                            "imgbridge: hook failed: {e}"
-                        )))
-                    });
-                    Outcome::After { stream, result }
-                }));
-            }
+            Ok((hook, rq, rs)) => self.detach(hook.after(rq, rs), move |r| Outcome::After {
+                stream,
+                result: r.unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "a replication hook panicked");
+                    Err(tonic::Status::internal(format!(
+                        "imgbridge: hook failed: {e}"
+                    )))
+                }),
+            }),
             Err(true) => {}
             Err(false) => self.release(stream, out, true),
         }
@@ -509,25 +516,19 @@ mod tests {
     /// lost one reset Create in 41 under CI load.
     #[tokio::test]
     async fn after_hook_outlives_the_connection_of_a_client_that_hung_up() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let gate = Arc::new(Notify::new());
-        let rules = Rules::new(false, true, gate.clone());
-        let counts = rules.counts();
-        let (mut client, mut server, task) = start(rules);
-        let mut sent = frame::PREFACE.to_vec();
-        sent.extend(request(1, "/t.S/Held"));
-        sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
-        assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
+        use std::sync::atomic::Ordering;
+        let (client, mut server, task, gate, counts) = held_call_sent(&[]).await;
         server.write_all(&ok_reply(1)).await.unwrap();
         let reached = |i: usize| {
-            let c: &AtomicUsize = &counts[i];
+            let counts = counts.clone();
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
             async move {
-                while c.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+                while counts[i].load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline
+                {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                     // poll interval
                 }
-                c.load(Ordering::SeqCst)
+                counts[i].load(Ordering::SeqCst)
             }
         };
         assert_eq!(reached(0).await, 1, "the reply is whole: the hook runs");

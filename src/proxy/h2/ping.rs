@@ -2,7 +2,7 @@
 //!
 //! containerd (a grpc-go server, with the default keepalive policy) counts
 //! a strike for a client PING that arrives when it has written no HEADERS
-//! or DATA since the previous Kind::Ping, and after the third sends
+//! or DATA since the previous PING, and after the third sends
 //! `GOAWAY(ENHANCE_YOUR_CALM, "too_many_pings")` and closes the connection.
 //! Clients with an adaptive window (grpc-go always: ctr, nerdctl, buildkitd;
 //! hyper/tonic when asked) send a BDP PING on the first DATA they receive
@@ -22,10 +22,10 @@
 //!   PINGs gets containerd's answer to all but a few of them;
 //! - containerd may count it: it has written no HEADERS/DATA since it
 //!   ACKed every PING it was sent. What it writes while a PING is on its
-//!   way may have been written before it read that Kind::Ping, so it does not
+//!   way may have been written before it read that PING, so it does not
 //!   count (an answer too many costs nothing; a strike too many adds up).
 //!
-//! Every other Kind::Ping, and every PING ACK, passes untouched: containerd's own
+//! Every other PING, and every PING ACK, passes untouched: containerd's own
 //! flood protection keeps working.
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -38,7 +38,7 @@ use super::{Out, Side};
 /// A PING's payload: always 8 bytes.
 const PAYLOAD: usize = 8;
 
-/// What containerd will make of the client's next Kind::Ping, as far as the
+/// What containerd will make of the client's next PING, as far as the
 /// splice can tell from the frames between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Upstream {

@@ -140,18 +140,26 @@ pub(super) fn start_with(rules: Rules, drain: CancellationToken) -> (UnixStream,
 
 /// A splice that holds `/t.S/Held` replies until the returned gate is
 /// notified, after the preface, a `/t.S/Held` call on stream 1 and `more`
-/// went through it unchanged.
+/// went through it unchanged; with its rules' [`Rules::counts`].
 pub(super) async fn held_call_sent(
     more: &[u8],
-) -> (UnixStream, UnixStream, Task, Arc<Notify>, Vec<u8>) {
+) -> (
+    UnixStream,
+    UnixStream,
+    Task,
+    Arc<Notify>,
+    Arc<[AtomicUsize; 2]>,
+) {
     let gate = Arc::new(Notify::new());
-    let (mut client, mut server, task) = start(Rules::new(false, true, gate.clone()));
+    let rules = Rules::new(false, true, gate.clone());
+    let counts = rules.counts();
+    let (mut client, mut server, task) = start(rules);
     let mut sent = frame::PREFACE.to_vec();
     sent.extend(request(1, "/t.S/Held"));
     sent.extend(frame(Kind::Data, frame::END_STREAM, 1, &MSG));
     sent.extend(more);
     assert_eq!(relay(&mut client, &mut server, &sent).await, sent);
-    (client, server, task, gate, sent)
+    (client, server, task, gate, counts)
 }
 
 pub(super) const MSG: [u8; 5] = [0, 0, 0, 0, 0];

@@ -339,16 +339,8 @@ impl State {
     pub(super) fn watch_step(&mut self, stream: u32, step: Step, out: Out<'_>) {
         match step {
             Step::Pass | Step::Kept => {}
-            Step::Run(f) => {
-                // A task of its own: the connection ending does not cancel
-                // the linking of a blob containerd has committed.
-                let work = tokio::spawn(f);
-                self.hooks_added = true;
-                self.hooks.push(Box::pin(async move {
-                    let _ = work.await;
-                    Outcome::Watch { stream }
-                }));
-            }
+            // Linking a blob containerd has committed.
+            Step::Run(f) => self.detach(f, move |_| Outcome::Watch { stream }),
             Step::Release => self.watch_release(stream, out),
         }
     }
