@@ -194,12 +194,33 @@ fn unpack_true_runs_at_once() {
 fn provenance_attestation_index_runs_at_once() {
     let Some(s) = Setup::start() else { return };
     let name = "docker.io/library/bk-attest:1";
-    s.build(
+    let id = s.build(
         name,
         "FROM scratch\nCOPY --chmod=755 busybox /bin/busybox\n",
         &[("busybox", &busybox())],
         &["--opt", "attest:provenance=mode=min"],
     );
+    // The index names this platform's manifest, so the replica went in the
+    // way CRI's own pull writes it: marked managed, after its id record.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (replica, record) = rt.block_on(async {
+        let replica = get_image(s.c.socket(), "k8s.io", name).await.unwrap();
+        (replica, get_image(s.c.socket(), "k8s.io", &id).await)
+    });
+    let record = record.expect("the id record");
+    assert_eq!(
+        record.target, replica.target,
+        "the id record names the index"
+    );
+    for r in [&record, &replica] {
+        assert_eq!(
+            r.labels.get("io.cri-containerd.image").map(String::as_str),
+            Some("managed"),
+            "{}: {:?}",
+            r.name,
+            r.labels
+        );
+    }
     s.cri
         .run_pod(name, &["/bin/busybox", "echo", "attest-ok"], "attest-ok");
 }

@@ -528,6 +528,164 @@ async fn replica_survives_gc_and_pod_still_runs() {
     run_hello_pod(c.socket(), &img.normalized(), "gcsafe:1").await;
 }
 
+/// `k8s.io`'s image events on containerd's own socket, in order, as
+/// (topic, name); `mark` writes a record straight to containerd and
+/// returns once its event is in, so every event before it is too.
+/// (containerd answers a Subscribe with its first event, not before.)
+struct ImageEvents {
+    sock: PathBuf,
+    rx: tokio::sync::mpsc::UnboundedReceiver<(String, String)>,
+    seen: Vec<(String, String)>,
+}
+
+impl ImageEvents {
+    async fn start(sock: &Path) -> ImageEvents {
+        /// ImageCreate, ImageUpdate and ImageDelete all carry the name as field 1.
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Named {
+            #[prost(string, tag = "1")]
+            name: String,
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let channel = containerd_channel(sock).await;
+        tokio::spawn(async move {
+            let mut events = api::events_client::EventsClient::new(channel);
+            let mut stream = events
+                .subscribe(api::SubscribeRequest {
+                    filters: vec![format!("namespace=={K8S},topic~=\"^/images/\"")],
+                })
+                .await
+                .expect("subscribe to k8s.io image events")
+                .into_inner();
+            while let Ok(Some(e)) = stream.message().await {
+                let name = e
+                    .event
+                    .map(|a| {
+                        <Named as prost::Message>::decode(&a.value[..])
+                            .unwrap()
+                            .name
+                    })
+                    .unwrap_or_default();
+                if tx.send((e.topic, name)).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut ev = ImageEvents {
+            sock: sock.to_path_buf(),
+            rx,
+            seen: Vec::new(),
+        };
+        // The subscription is live once one of these marks comes back
+        // (a poll: a mark written before it was live has no event).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ev.try_mark(Duration::from_millis(200)).await {
+            assert!(
+                Instant::now() < deadline,
+                "no k8s.io image event within 10 s"
+            );
+        }
+        ev.seen.clear();
+        ev
+    }
+
+    /// Writes a mark and waits for its event (every event before it is
+    /// then in `seen`); `false` if it did not come within `wait`.
+    async fn try_mark(&mut self, wait: Duration) -> bool {
+        let name = unique_name("events-mark");
+        create_image(&self.sock, K8S, &name, &placeholder_manifest('7')).await;
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(e)) if e.1 == name => return true,
+                Ok(Some(e)) if e.1.contains("events-mark") => {}
+                Ok(Some(e)) => self.seen.push(e),
+                _ => return false,
+            }
+        }
+    }
+
+    async fn mark(&mut self) {
+        assert!(
+            self.try_mark(Duration::from_secs(10)).await,
+            "a mark's event did not come within 10 s; seen {:?}",
+            self.seen
+        );
+    }
+}
+
+/// A replica is written the way CRI's own pull writes its records: marked
+/// `io.cri-containerd.image=managed`, after the id record `sha256:<config>`.
+/// CRI's event handler then only refreshes its cache: it writes nothing
+/// back. (It used to create the id record and Update every replica record
+/// to mark it, name and digest ref: two more bolt transactions and events
+/// per name, one name at a time, the most of a burst's time.) A rebuild
+/// under the same name gets its new id record first too.
+#[tokio::test]
+async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
+    let (c, p) = Scenario::cri().start();
+    let mut events = ImageEvents::start(c.socket()).await;
+    let img = TestImage::hello("premanaged:1");
+    ctr_import(p.socket(), SRC, &img.docker_archive());
+    events.mark().await;
+    let id = img.config_digest();
+    let name = img.normalized();
+    let replica = get_image(c.socket(), K8S, &name).await.unwrap();
+    let digest_ref = format!("docker.io/library/premanaged@{}", target_of(&replica));
+    let created = |n: &str| ("/images/create".to_string(), n.to_string());
+    assert_eq!(
+        events.seen,
+        vec![created(&id), created(&name), created(&digest_ref)],
+        "k8s.io's image events: the id record, then the names, and nothing from CRI"
+    );
+    let record = get_image(c.socket(), K8S, &id).await.expect("id record");
+    assert_eq!(target_of(&record), target_of(&replica));
+    for r in [&record, &replica] {
+        assert_eq!(
+            r.labels.get("io.cri-containerd.image").map(String::as_str),
+            Some("managed"),
+            "{}: {:?}",
+            r.name,
+            r.labels
+        );
+    }
+    assert_eq!(cri_image_status(c.socket(), &name).await.unwrap().id, id);
+
+    // A rebuild under the same name: a new id, its record first.
+    events.seen.clear();
+    let next = TestImage::build("premanaged:1", 2, &["/bin/busybox", "echo", "rebuilt"], 0);
+    ctr_import(p.socket(), SRC, &next.docker_archive());
+    events.mark().await;
+    let new_id = next.config_digest();
+    assert_ne!(new_id, id);
+    let updated = ("/images/update".to_string(), name.clone());
+    let at = |e: &(String, String)| events.seen.iter().position(|s| s == e);
+    assert!(
+        at(&created(&new_id)).is_some() && at(&created(&new_id)) < at(&updated),
+        "the new id record before the name moves: {:?}",
+        events.seen
+    );
+    assert_eq!(
+        events
+            .seen
+            .iter()
+            .filter(|e| e.0 == "/images/update")
+            .count(),
+        1,
+        "one update, imgbridge's own: {:?}",
+        events.seen
+    );
+    assert_eq!(
+        cri_image_status(c.socket(), &name).await.unwrap().id,
+        new_id
+    );
+    run_pod(c.socket(), &name, &[], "rebuilt")
+        .await
+        .cleanup()
+        .await;
+}
+
 #[tokio::test]
 async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
     let (c, p) = Scenario::cri().start();

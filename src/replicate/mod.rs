@@ -9,6 +9,7 @@
 
 mod announce;
 pub mod commit;
+mod cri_id;
 mod delete;
 pub(crate) mod distribution;
 pub mod hooks;
@@ -228,6 +229,9 @@ struct Walked {
     _lease: Lease,
     outcome: Outcome,
     configs: Vec<String>,
+    /// The image id CRI will report, when certain; its id record is then
+    /// written and the names are written already marked ([`cri_id`]).
+    cri_id: Option<String>,
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -469,8 +473,9 @@ impl Replicator {
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
         // event first; the digest ref and the lease release overlap the wait.
+        let managed = tree.cri_id.is_some();
         let tag = self
-            .put_record(source, target, &names[0], &image, &root, existing)
+            .put_record(source, target, &names[0], &image, existing, managed)
             .await;
         let recorded = started.elapsed();
         outcome.writes += tag.map_err(err)?;
@@ -481,11 +486,10 @@ impl Replicator {
         // writers take turns and each reads it again under the lock.
         let rest = futures_util::future::join_all(names[1..].iter().map(|n| {
             let image = &image;
-            let root = &root;
             async move {
                 let _guard = self.locks.lock(format!("{target}\0{n}")).await;
                 let existing = self.c.get_image(target, n).await?;
-                self.put_record(source, target, n, image, root, existing)
+                self.put_record(source, target, n, image, existing, managed)
                     .await
             }
         }));
@@ -546,11 +550,21 @@ impl Replicator {
             return Ok((w, true));
         }
         let lease = Lease::new(&self.c, target);
-        let (outcome, configs) = self.walk(source, target, image, root, &lease.id).await?;
+        let (mut outcome, configs) = self.walk(source, target, image, root, &lease.id).await?;
+        // Every blob is visible: the id record can go in, before any name.
+        let cri_id = match target == CRI_NAMESPACE && self.has_cri().await {
+            true => self.cri_id(source, root).await,
+            false => None,
+        };
+        if let Some(id) = &cri_id {
+            let _guard = self.locks.lock(format!("{target}\0{id}")).await;
+            outcome.writes += cri_id::ensure(&self.c, target, id, root).await?;
+        }
         let w = Arc::new(Walked {
             _lease: lease,
             outcome,
             configs,
+            cri_id,
         });
         let mut walked = lock(&self.walked);
         walked.retain(|_, w| w.strong_count() > 0);
@@ -803,16 +817,44 @@ impl Replicator {
         Ok(node)
     }
 
-    /// Writes the record `name` in `target` if it differs; returns writes.
+    /// The image id CRI will give the tree at `root` on this host, if that
+    /// is certain without asking it: the config of the root manifest, or of
+    /// the index entry for this platform ([`tree::Node::host`]).
+    async fn cri_id(&self, source: &str, root: &Descriptor) -> Option<String> {
+        let node = self.node(source, &root.digest).await.ok()?;
+        let manifest = match (&node.config, node.host) {
+            (Some(_), _) => node,
+            (None, Some(i)) => self.node(source, &node.manifests[i].digest).await.ok()?,
+            (None, None) => return None,
+        };
+        manifest.config.as_ref().map(|c| c.digest.clone())
+    }
+
+    /// Whether containerd runs CRI. Cached only once known: a probe that
+    /// failed (containerd restarting) must not turn CRI's part off for the
+    /// life of the process.
+    async fn has_cri(&self) -> bool {
+        match self.cri.get_or_try_init(|| self.c.has_cri()).await {
+            Ok(known) => *known,
+            Err(_) => true,
+        }
+    }
+
+    /// Writes the record `name` in `target`, pointing where the source
+    /// record `image` points, if it differs; returns writes. `managed`:
+    /// written marked as CRI's, its id record being there.
     async fn put_record(
         &self,
         source: &str,
         target: &str,
         name: &str,
         image: &Image,
-        root: &Descriptor,
         existing: Option<Image>,
+        managed: bool,
     ) -> Result<usize, ctrd::Error> {
+        let Some(root) = image.target.as_ref() else {
+            return Err(ctrd::Error::Protocol(format!("image {name} has no target")));
+        };
         let mut labels: HashMap<String, String> = image
             .labels
             .iter()
@@ -822,6 +864,9 @@ impl Replicator {
         labels.insert(SOURCE.into(), source.into());
         if self.s.pin {
             labels.insert(PINNED.into(), PINNED_VALUE.into());
+        }
+        if managed {
+            labels.insert(CRI_MANAGED.into(), cri_id::MANAGED.into());
         }
         if let Some(e) = &existing {
             let same_target = e.target.as_ref().map(|t| &t.digest) == Some(&root.digest);
@@ -871,13 +916,7 @@ impl Replicator {
     /// containerd's events a few ms behind the record, so the first poll is
     /// immediate and the next ones come every millisecond before backing off.
     async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> usize {
-        // Cached only once known: a probe that failed (containerd restarting)
-        // must not turn confirmation off for the life of the process.
-        let has_cri = match self.cri.get_or_try_init(|| self.c.has_cri()).await {
-            Ok(known) => *known,
-            Err(_) => true,
-        };
-        if !has_cri || configs.is_empty() {
+        if configs.is_empty() || !self.has_cri().await {
             return 0;
         }
         let _waiting = Waiter::enter(&self.cri_waiters);

@@ -57,6 +57,51 @@ pub struct Node {
     /// Config of a manifest.
     pub config: Option<Child>,
     pub layers: Vec<Child>,
+    /// Of an index: the manifest CRI resolves on this host, when the index
+    /// names it by platform without doubt (see [`host_manifest`]).
+    pub host: Option<usize>,
+}
+
+/// This host's platform as containerd names it (Go's GOARCH), if known.
+fn host_arch() -> Option<&'static str> {
+    Some(match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "arm" => "arm",
+        "powerpc64" if cfg!(target_endian = "little") => "ppc64le",
+        "s390x" => "s390x",
+        "riscv64" => "riscv64",
+        _ => return None,
+    })
+}
+
+/// The entry of an index that containerd's default platform matcher puts
+/// first on this host, when that is certain from the index alone: every
+/// entry carries a platform, exactly one is `linux/<this arch>`, and its
+/// variant is the base one. Anything else (no platform, two variants of
+/// this arch, a nested index) gives `None`, and the caller leaves the
+/// choice to containerd.
+fn host_manifest(index: &ImageIndex, arch: &str) -> Option<usize> {
+    let mut found = None;
+    for (i, d) in index.manifests().iter().enumerate() {
+        let p = d.platform().as_ref()?;
+        if p.os().to_string() != "linux" || p.architecture().to_string() != arch {
+            continue;
+        }
+        if found.is_some() || !media_type::is_manifest(d.media_type().as_ref()) {
+            return None;
+        }
+        let base = matches!(
+            (arch, p.variant().as_deref()),
+            (_, None | Some("")) | ("arm64", Some("v8"))
+        );
+        if !base {
+            return None;
+        }
+        found = Some(i);
+    }
+    found
 }
 
 /// True for media types whose blob lists children.
@@ -75,6 +120,7 @@ pub fn parse(bytes: &[u8]) -> Result<Node, serde_json::Error> {
         let index: ImageIndex = serde_json::from_value(doc)?;
         Ok(Node {
             manifests: children(index.manifests())?,
+            host: host_arch().and_then(|arch| host_manifest(&index, arch)),
             ..Node::default()
         })
     } else {
@@ -172,6 +218,73 @@ mod tests {
         let n = parse(m.as_bytes()).unwrap();
         assert_eq!(n.children().count(), 2);
         assert!(!is_parent(&n.layers[0].media_type));
+    }
+
+    /// Which index entry CRI runs here is told only when no other entry
+    /// could come first under containerd's matcher.
+    #[test]
+    fn host_manifest_only_when_certain() {
+        let m = media_type::DOCKER_MANIFEST;
+        let entry = |c: char, platform: &str| {
+            format!(
+                r#"{{"mediaType":"{m}","digest":"{}","size":1{platform}}}"#,
+                d(c)
+            )
+        };
+        let p = |arch: &str, variant: &str| {
+            let v = if variant.is_empty() {
+                String::new()
+            } else {
+                format!(r#","variant":"{variant}""#)
+            };
+            format!(r#","platform":{{"os":"linux","architecture":"{arch}"{v}}}"#)
+        };
+        let index = |entries: &[String]| {
+            let doc = format!(
+                r#"{{"schemaVersion":2,"manifests":[{}]}}"#,
+                entries.join(",")
+            );
+            let idx: ImageIndex = serde_json::from_str(&doc).unwrap();
+            host_manifest(&idx, "amd64")
+        };
+        let att = entry(
+            'b',
+            r#","platform":{"os":"unknown","architecture":"unknown"}"#,
+        );
+        // buildkit's index: the image and its attestation.
+        assert_eq!(index(&[att.clone(), entry('a', &p("amd64", ""))]), Some(1));
+        assert_eq!(
+            index(&[entry('a', &p("arm64", "v8")), entry('c', &p("amd64", ""))]),
+            Some(1)
+        );
+        // An entry without a platform may match anything.
+        assert_eq!(index(&[entry('a', &p("amd64", "")), entry('c', "")]), None);
+        // Two variants of this arch, or only a higher one.
+        assert_eq!(
+            index(&[entry('a', &p("amd64", "")), entry('c', &p("amd64", "v3"))]),
+            None
+        );
+        assert_eq!(index(&[entry('a', &p("amd64", "v3"))]), None);
+        assert_eq!(index(&[att]), None);
+        assert_eq!(
+            host_manifest(
+                &serde_json::from_str(&format!(
+                    r#"{{"schemaVersion":2,"manifests":[{}]}}"#,
+                    entry('e', &p("arm64", "v8"))
+                ))
+                .unwrap(),
+                "arm64"
+            ),
+            Some(0)
+        );
+        // A nested index is not resolved here.
+        let nested = format!(
+            r#"{{"mediaType":"{}","digest":"{}","size":1{}}}"#,
+            media_type::DOCKER_MANIFEST_LIST,
+            d('f'),
+            p("amd64", "")
+        );
+        assert_eq!(index(&[nested]), None);
     }
 
     /// Where `oci-spec` and the hand-written parser it replaced differ: the
