@@ -342,18 +342,18 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     run_hello_pod(c.socket(), "docker.io/library/lazy:1", "lazy:1").await;
 }
 
-#[tokio::test]
-async fn two_platform_index_with_only_host_platform_present_runs() {
-    let (c, p) = Scenario::cri().start();
-    let img = TestImage::hello("multi:1");
-    let b = blobs(&img);
+/// Writes `img`'s blobs into the source namespace straight to containerd,
+/// and an index naming its manifest for linux/amd64 and an absent one for
+/// linux/arm64; returns the index's descriptor and the absent digest.
+fn two_platform_index(sock: &Path, img: &TestImage) -> (Descriptor, String) {
+    let b = blobs(img);
     for d in b
         .layers
         .iter()
         .map(|l| l.digest.clone())
         .chain([b.config.clone(), b.manifest.digest.clone()])
     {
-        ctr_ingest(c.socket(), SRC, &d, &blob_path(&b.layout, &d));
+        ctr_ingest(sock, SRC, &d, &blob_path(&b.layout, &d));
     }
     let absent = format!("sha256:{}", "e".repeat(64));
     let index = json!({
@@ -374,13 +374,22 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         "sha256:{}",
         hex::encode(<sha2::Sha256 as sha2::Digest>::digest(index.as_bytes()))
     );
-    ctr_ingest(c.socket(), SRC, &idx_digest, &f);
+    ctr_ingest(sock, SRC, &idx_digest, &f);
     let target = Descriptor {
         media_type: "application/vnd.oci.image.index.v1+json".into(),
-        digest: idx_digest.clone(),
+        digest: idx_digest,
         size: index.len() as i64,
         ..Default::default()
     };
+    (target, absent)
+}
+
+#[tokio::test]
+async fn two_platform_index_with_only_host_platform_present_runs() {
+    let (c, p) = Scenario::cri().start();
+    let img = TestImage::hello("multi:1");
+    let (target, absent) = two_platform_index(c.socket(), &img);
+    let idx_digest = target.digest.clone();
     create_image(p.socket(), SRC, "multi:1", &target).await;
     let st = cri_image_status(c.socket(), "docker.io/library/multi:1")
         .await
@@ -397,6 +406,42 @@ async fn two_platform_index_with_only_host_platform_present_runs() {
         p.log().contains("will link it when it appears"),
         "pending work is logged"
     );
+}
+
+/// One config under two trees (a docker-archive's manifest, and an index
+/// naming that manifest): the id record CRI keeps stays where it was first
+/// written. Replicating either again writes nothing in `k8s.io`; moving the
+/// record to the tree at hand would flip it on every pass.
+#[tokio::test]
+async fn one_config_under_two_trees_leaves_its_id_record_alone() {
+    let (c, p) = Scenario::cri().start();
+    let img = TestImage::hello("twotrees:1");
+    ctr_import(p.socket(), SRC, &img.docker_archive());
+    let (index, _) = two_platform_index(c.socket(), &img);
+    create_image(p.socket(), SRC, "twotrees-index:1", &index).await;
+    let id = img.config_digest();
+    let manifest = target_of(&get_image(c.socket(), K8S, &img.normalized()).await.unwrap());
+    let record = get_image(c.socket(), K8S, &id).await.expect("id record");
+    assert_eq!(target_of(&record), manifest, "written with the first tree");
+    let mut events = ImageEvents::start(c.socket()).await;
+    // Both source records written again as they are: each replicates.
+    for name in [img.normalized(), "twotrees-index:1".to_string()] {
+        let image = get_image(c.socket(), SRC, &name).await.unwrap();
+        let mut cl = images_client(p.socket()).await;
+        cl.update(with_ns(
+            api::UpdateImageRequest {
+                image: Some(image),
+                ..Default::default()
+            },
+            SRC,
+        ))
+        .await
+        .unwrap();
+    }
+    events.mark().await;
+    assert_eq!(events.seen, vec![], "nothing written in k8s.io");
+    let st = cri_image_status(c.socket(), "docker.io/library/twotrees-index:1").await;
+    assert_eq!(st.expect("the index name resolves").id, id);
 }
 
 #[tokio::test]

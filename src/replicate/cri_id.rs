@@ -22,9 +22,14 @@ use crate::labels::CRI_MANAGED;
 /// The value of [`CRI_MANAGED`] CRI writes.
 pub const MANAGED: &str = "managed";
 
-/// Makes the id record `id` point at `root`, marked managed, as CRI's
-/// `createOrUpdateImageReference` does (its other labels are kept);
-/// returns the writes made. Callers hold the record's lock.
+/// Makes sure the id record `id` exists and is marked managed; returns the
+/// writes made. Callers hold the record's lock. A missing record is created
+/// pointing at `root`; an unmarked one gets `root` and the mark, as CRI's
+/// `createOrUpdateImageReference` does (its other labels are kept). A
+/// marked one is left alone even if it points at another tree of the same
+/// config (a docker-archive's manifest next to buildkit's index): moving it
+/// would flip it between the two on every reconcile pass, and CRI only
+/// needs it to name the id.
 pub async fn ensure(
     c: &Containerd,
     target: &str,
@@ -39,10 +44,7 @@ pub async fn ensure(
     };
     for _ in 0..3 {
         match c.get_image(target, id).await? {
-            Some(e)
-                if e.target.as_ref().map(|t| &t.digest) == Some(&root.digest)
-                    && e.labels.get(CRI_MANAGED).map(String::as_str) == Some(MANAGED) =>
-            {
+            Some(e) if e.labels.get(CRI_MANAGED).map(String::as_str) == Some(MANAGED) => {
                 return Ok(0)
             }
             Some(_) => {
