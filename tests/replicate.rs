@@ -731,6 +731,40 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
         .await;
 }
 
+/// A pod may name its image by digest (Skaffold deploys `tag@sha256:…`):
+/// the `name@sha256` record must resolve in CRI when the write returns, as
+/// the tag does, also in a burst (CRI handles the events of every name in
+/// the order they come). 50 names of their own repositories written at
+/// once; each checked once, the moment its write returns.
+#[tokio::test]
+async fn digest_refs_resolve_in_cri_when_the_write_returns() {
+    let (c, p) = Scenario::cri().start();
+    let img = TestImage::hello("bydigest:1");
+    ctr_import(c.socket(), SRC, &img.docker_archive());
+    let target = image_target(c.socket(), SRC, &img.normalized()).await;
+    let checks = (0..50).map(|i| {
+        let (c, p, target) = (&c, &p, &target);
+        async move {
+            create_image(p.socket(), SRC, &format!("bydigest-{i}:1"), target).await;
+            let by_digest = format!("docker.io/library/bydigest-{i}@{}", target.digest);
+            cri_image_status(c.socket(), &by_digest)
+                .await
+                .is_none()
+                .then_some(i)
+        }
+    });
+    let misses: Vec<usize> = futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert!(
+        misses.is_empty(),
+        "CRI did not resolve the digest ref on return for {} of 50: {misses:?}",
+        misses.len()
+    );
+}
+
 #[tokio::test]
 async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
     let (c, p) = Scenario::cri().start();
