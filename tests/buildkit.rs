@@ -212,15 +212,7 @@ fn provenance_attestation_index_runs_at_once() {
         record.target, replica.target,
         "the id record names the index"
     );
-    for r in [&record, &replica] {
-        assert_eq!(
-            r.labels.get("io.cri-containerd.image").map(String::as_str),
-            Some("managed"),
-            "{}: {:?}",
-            r.name,
-            r.labels
-        );
-    }
+    assert_cri_managed(&[&record, &replica]);
     s.cri
         .run_pod(name, &["/bin/busybox", "echo", "attest-ok"], "attest-ok");
 }

@@ -427,16 +427,7 @@ async fn one_config_under_two_trees_leaves_its_id_record_alone() {
     // Both source records written again as they are: each replicates.
     for name in [img.normalized(), "twotrees-index:1".to_string()] {
         let image = get_image(c.socket(), SRC, &name).await.unwrap();
-        let mut cl = images_client(p.socket()).await;
-        cl.update(with_ns(
-            api::UpdateImageRequest {
-                image: Some(image),
-                ..Default::default()
-            },
-            SRC,
-        ))
-        .await
-        .unwrap();
+        update_image(p.socket(), SRC, image).await;
     }
     events.mark().await;
     assert_eq!(events.seen, vec![], "nothing written in k8s.io");
@@ -686,15 +677,7 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     );
     let record = get_image(c.socket(), K8S, &id).await.expect("id record");
     assert_eq!(target_of(&record), target_of(&replica));
-    for r in [&record, &replica] {
-        assert_eq!(
-            r.labels.get("io.cri-containerd.image").map(String::as_str),
-            Some("managed"),
-            "{}: {:?}",
-            r.name,
-            r.labels
-        );
-    }
+    assert_cri_managed(&[&record, &replica]);
     assert_eq!(cri_image_status(c.socket(), &name).await.unwrap().id, id);
 
     // A rebuild under the same name: a new id, its record first.

@@ -196,3 +196,34 @@ pub async fn create_image(
         .await
         .unwrap_or_else(|e| panic!("create {name} in {ns}: {e:?}"));
 }
+
+/// `Images/Update` of the whole record `image` in `ns` on `sock`,
+/// panicking unless it succeeds.
+pub async fn update_image(sock: &Path, ns: &str, image: containerd_client::services::v1::Image) {
+    let name = image.name.clone();
+    images_client(sock)
+        .await
+        .update(with_ns(
+            containerd_client::services::v1::UpdateImageRequest {
+                image: Some(image),
+                ..Default::default()
+            },
+            ns,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("update {name} in {ns}: {e:?}"));
+}
+
+/// Asserts every record carries CRI's management mark, as CRI's own pull
+/// writes it (`io.cri-containerd.image=managed`).
+pub fn assert_cri_managed(records: &[&containerd_client::services::v1::Image]) {
+    for r in records {
+        assert_eq!(
+            r.labels.get("io.cri-containerd.image").map(String::as_str),
+            Some("managed"),
+            "{}: {:?}",
+            r.name,
+            r.labels
+        );
+    }
+}
