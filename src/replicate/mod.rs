@@ -469,7 +469,7 @@ impl Replicator {
             true => Outcome::default(),
             false => tree.outcome.clone(),
         };
-        let configs = &tree.configs;
+        let configs = tree.configs.clone();
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
         // event first; the digest ref and the lease release overlap the wait.
@@ -493,11 +493,11 @@ impl Replicator {
                     .await
             }
         }));
-        let (rest, polls) = tokio::join!(rest, async {
+        let (rest, (mut polls, resolved)) = tokio::join!(rest, async {
             if confirm {
-                self.wait_cri(target, &target_name, configs).await
+                self.wait_cri(target, &target_name, &configs).await
             } else {
-                0
+                (0, false)
             }
         });
         // Every record is written: the tree is referenced, its lease can go
@@ -505,6 +505,15 @@ impl Replicator {
         drop(tree);
         for r in rest {
             outcome.writes += r.map_err(err)?;
+        }
+        // A pod may name the image by digest (`repo:tag@sha256:…`): the
+        // digest ref is confirmed too. CRI handles events in order, so it
+        // usually is by now (one poll). Not when the tag timed out: CRI is
+        // behind, and that was logged.
+        if resolved {
+            for n in &names[1..] {
+                polls += self.wait_cri(target, n, &configs).await.0;
+            }
         }
         tracing::debug!(
             image = name,
@@ -912,12 +921,13 @@ impl Replicator {
     }
 
     /// Polls CRI until `name` resolves to one of `configs` (any id if the
-    /// config is not known yet); returns the number of polls. CRI follows
+    /// config is not known yet); returns the number of polls and whether it
+    /// resolved (or needs no confirmation) before `cri_wait` ran out. CRI follows
     /// containerd's events a few ms behind the record, so the first poll is
     /// immediate and the next ones come every millisecond before backing off.
-    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> usize {
+    async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> (usize, bool) {
         if configs.is_empty() || !self.has_cri().await {
-            return 0;
+            return (0, true);
         }
         let _waiting = Waiter::enter(&self.cri_waiters);
         let started = Instant::now();
@@ -930,7 +940,7 @@ impl Replicator {
                     if let Some(o) = self.observer() {
                         o.cri_confirmed(started.elapsed());
                     }
-                    return polls;
+                    return (polls, true);
                 }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
@@ -940,7 +950,7 @@ impl Replicator {
                 // would report a change containerd made as not made.
                 tracing::warn!(image = name, target, expected = ?configs, waited = ?self.s.cri_wait,
                     "the replica is written but CRI ImageStatus did not resolve it in time; kubelet sees it once CRI catches up (is containerd overloaded?)");
-                return polls;
+                return (polls, false);
             }
             let waiters = self.cri_waiters.load(std::sync::atomic::Ordering::Relaxed);
             tokio::time::sleep(cri_poll_delay(started.elapsed(), waiters)).await;
