@@ -22,15 +22,19 @@ pub const IMPORT: &str = "io.imgbridge.import";
 
 // ---- CRI's (containerd's CRI plugin) -------------------------------------
 
-/// Prefix of the labels CRI owns on image records; never copied to a
-/// replica (CRI sets them itself once it manages the record).
+/// Prefix of the labels CRI owns on image records; never copied from a
+/// source record (a replica gets its own, see [`CRI_MANAGED`]).
 pub const CRI_PREFIX: &str = "io.cri-containerd.";
 /// CRI's pin label (honoured by containerd ≥ 1.6.22 / 1.7.3).
 pub const PINNED: &str = "io.cri-containerd.pinned";
 pub const PINNED_VALUE: &str = "pinned";
-/// Set by CRI once it manages a record; cleared when the digest changes so
-/// CRI re-reads the image (reference §5).
+/// CRI's mark on a record it manages. CRI's pull writes records with it;
+/// so does the replicator when it knows the image id (and writes the id
+/// record first). Otherwise CRI sets it on the record's first event, and it
+/// is cleared when the digest changes so CRI re-reads the image
+/// (reference §5).
 pub const CRI_MANAGED: &str = "io.cri-containerd.image";
+pub const CRI_MANAGED_VALUE: &str = "managed";
 
 // ---- containerd's ------------------------------------------------------
 

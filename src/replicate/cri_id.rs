@@ -17,10 +17,7 @@
 //! every entry, a nested index), nothing is marked and CRI does it all.
 
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
-use crate::labels::CRI_MANAGED;
-
-/// The value of [`CRI_MANAGED`] CRI writes.
-pub const MANAGED: &str = "managed";
+use crate::labels::{CRI_MANAGED, CRI_MANAGED_VALUE as MANAGED};
 
 /// Makes sure the id record `id` exists and is marked managed; returns the
 /// writes made. Callers hold the record's lock. A missing record is created

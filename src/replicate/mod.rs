@@ -36,8 +36,8 @@ use observe::{Attempt, ReplicationObserver};
 use tree::Child;
 
 use crate::labels::{
-    pin_owner, PinOwner, CRI_MANAGED, CRI_NAMESPACE, CRI_PREFIX, DISTRIBUTION_SOURCE, EXPIRE,
-    GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
+    pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX,
+    DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
@@ -875,7 +875,7 @@ impl Replicator {
             labels.insert(PINNED.into(), PINNED_VALUE.into());
         }
         if managed {
-            labels.insert(CRI_MANAGED.into(), cri_id::MANAGED.into());
+            labels.insert(CRI_MANAGED.into(), CRI_MANAGED_VALUE.into());
         }
         if let Some(e) = &existing {
             let same_target = e.target.as_ref().map(|t| &t.digest) == Some(&root.digest);
