@@ -53,7 +53,9 @@
 #                              namespace k8s.io, which imgbridge only relays):
 #                              E-B is the hop's cost, A-E the replication's;
 #                              "f": the same through a bare byte relay
-#                              (examples/floor_relay.rs): F-B is any hop's cost
+#                              (examples/floor_relay.rs): F-B is any hop's cost;
+#                              "g": A through another imgbridge build (needs
+#                              IMGBRIDGE_BASELINE): A-G is what a change did
 #        BENCH_DIR=/tmp        parent of the temp dir (containerd's root; /dev/shm
 #                              takes the disk's fsyncs out of the figures)
 #        BENCH_POD_TIMEOUT=30  seconds for a container to print its line
@@ -73,6 +75,8 @@
 #                              buildctl's return within milliseconds: the
 #                              sharpest form of the race
 #        IMGBRIDGE_BIN=path    benchmark another build (skips cargo build)
+#        IMGBRIDGE_BASELINE=path  the build variant "g" runs (its own buildkitd,
+#                              namespace buildkit, and its own socket)
 #        BENCH_NO_BUILD=1      skip cargo build (use target/release/imgbridge)
 #        BENCH_KEEP=1          keep the temp dir (logs, per-iteration records)
 # Needs: cargo, go (first run: scripts/containerd-matrix.sh and scripts/peers.sh
@@ -101,7 +105,7 @@ log() { printf '[devloop] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "needs root (it runs a private containerd with CRI)"
-for v in "${VARIANTS[@]}"; do [[ $v == [abcdef] ]] || die "unknown variant '$v' (a b c d e f)"; done
+for v in "${VARIANTS[@]}"; do [[ $v == [abcdefg] ]] || die "unknown variant '$v' (a b c d e f g)"; done
 missing=()
 for b in docker-registry umoci skopeo; do command -v "$b" >/dev/null || missing+=("$b"); done
 [ -x /bin/busybox ] || missing+=(busybox-static)
@@ -131,6 +135,11 @@ if want f; then
 fi
 [ -x "$IB" ] || die "no imgbridge binary at $IB"
 IB=$(realpath "$IB")
+if want g; then
+  BASE=${IMGBRIDGE_BASELINE:-}
+  [ -x "$BASE" ] || die "variant g needs IMGBRIDGE_BASELINE=<another imgbridge binary>"
+  BASE=$(realpath "$BASE")
+fi
 
 if [ -d "$LABEL" ]; then
   CTRD_BIN=$(realpath "$LABEL")
@@ -388,23 +397,27 @@ for ((i = 0; i < 200; i++)); do "${CRICTL[@]}" inspecti "$PAUSE" >/dev/null 2>&1
 "${CRICTL[@]}" inspecti "$PAUSE" >/dev/null || die "CRI does not resolve $PAUSE"
 
 # ---------------------------------------------------------------- imgbridge (A)
-if want a || want e; then
-  mkdir -p "$T/imgbridge"
+# start_imgbridge DIR BINARY
+start_imgbridge() {
+  local d=$1
+  mkdir -p "$d"
   if [ "$RECONCILE" = 1 ]; then
-    printf 'ttrpc = false\n' >"$T/imgbridge/config.toml"
+    printf 'ttrpc = false\n' >"$d/config.toml"
   else
     # As the integration tests: only the proxied writes replicate, so C's
     # direct writes into `buildkit` are not copied behind the benchmark's back.
-    printf 'ttrpc = false\n[reconcile]\nenabled = false\n' >"$T/imgbridge/config.toml"
+    printf 'ttrpc = false\n[reconcile]\nenabled = false\n' >"$d/config.toml"
   fi
   # Its metrics on a socket of the run's own: the calls each build makes
   # through it (what the hop costs scales with them).
-  printf '[metrics]\nlisten = "%s"\n' "$T/imgbridge/metrics.sock" >>"$T/imgbridge/config.toml"
-  "$IB" serve --config "$T/imgbridge/config.toml" --listen "$T/imgbridge/imgbridge.sock" \
-    --upstream "$C" >"$T/imgbridge/imgbridge.log" 2>&1 &
+  printf '[metrics]\nlisten = "%s"\n' "$d/metrics.sock" >>"$d/config.toml"
+  "$2" serve --config "$d/config.toml" --listen "$d/imgbridge.sock" \
+    --upstream "$C" >"$d/imgbridge.log" 2>&1 &
   pids+=($!)
-  wait_sock "$T/imgbridge/imgbridge.sock"
-fi
+  wait_sock "$d/imgbridge.sock"
+}
+if want a || want e; then start_imgbridge "$T/imgbridge" "$IB"; fi
+if want g; then start_imgbridge "$T/baseline" "$BASE"; fi
 
 # ---------------------------------------------------------------- buildkitds
 # start_buildkitd NAME CONTAINERD_SOCK NAMESPACE
@@ -450,6 +463,7 @@ if want f; then
   start_buildkitd f "$T/floor/floor.sock" k8s.io
 fi
 want b && start_buildkitd b "$C" k8s.io
+want g && start_buildkitd g "$T/baseline/imgbridge.sock" buildkit
 { want c || want d; } && start_buildkitd c "$C" "$C_NS"
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
 
@@ -654,6 +668,7 @@ name_of() {
     d) echo "D build + push to local registry + crictl pull" ;;
     e) echo "E = B through imgbridge's socket (hop only)" ;;
     f) echo "F = B through a bare byte relay (any hop)" ;;
+    g) echo "G = A through IMGBRIDGE_BASELINE" ;;
   esac
 }
 short_of() {
@@ -664,6 +679,7 @@ short_of() {
     d) echo "D: build + push to loopback registry, \`crictl pull\`" ;;
     e) echo "E: B through imgbridge's socket (\`k8s.io\` is only relayed)" ;;
     f) echo "F: B through a bare byte relay (\`examples/floor_relay.rs\`)" ;;
+    g) echo "G: A through the baseline build (\`IMGBRIDGE_BASELINE\`)" ;;
   esac
 }
 mmm() { read -r m lo hi <<<"$1"; if [ "$m" = - ]; then echo "-"; else echo "$m ($lo-$hi)"; fi; }
@@ -707,18 +723,31 @@ if want e && want b; then
     echo "   A - E build wall time (replication + CRI confirmation): ${x} ms (range $xlo to $xhi ms)"
   fi
 fi
-if want a && [ -s "$T/imgbridge/imgbridge.log" ]; then
-  # imgbridge logs each intercepted call with its duration: the held
-  # Images.Create is the replication plus the CRI confirmation (the first
-  # one, the warm-up, is skipped; best effort: nothing is printed if the log
-  # format differs).
-  held=$(sed 's/\x1b\[[0-9;]*m//g' "$T/imgbridge/imgbridge.log" |
-    awk '/intercepted call done/ && /Images\/(Create|Update)"/ && /devloop:a/ && n++ {
+# held_of LOG VARIANT: imgbridge logs each intercepted call with its
+# duration: the held Images.Create is the replication plus the CRI
+# confirmation (the first one, the warm-up, is skipped; best effort: nothing
+# is printed if the log format differs).
+held_of() {
+  [ -s "$1" ] || return 0
+  sed 's/\x1b\[[0-9;]*m//g' "$1" |
+    awk -v v="devloop:$2" '/intercepted call done/ && /Images\/(Create|Update)"/ && index($0, v) && n++ {
         for (i = 1; i <= NF; i++) if ($i ~ /^duration_ms=/) {sub(/duration_ms=/, "", $i); d = $i}
         print d}' | sort -n |
     awk '{a[NR] = $1} END {if (NR == 0) exit
-      m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.0f ms (%d-%d) over %d builds\n", m, a[1], a[NR], NR}')
+      m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.1f ms (%.1f-%.1f) over %d builds\n", m, a[1], a[NR], NR}'
+}
+if want a; then
+  held=$(held_of "$T/imgbridge/imgbridge.log" a)
   [ -n "$held" ] && echo "   imgbridge's held Images.Create/Update (replication + CRI confirmation), from its log: median $held"
+fi
+if want g; then
+  gheld=$(held_of "$T/baseline/imgbridge.log" g)
+  [ -n "$gheld" ] && echo "   the baseline's held Images.Create/Update (G), from its log: median $gheld"
+  if want a; then
+    read -r x xlo xhi _ <<<"$(diff_ms a g 4)"
+    read -r y ylo yhi _ <<<"$(ratio a g 4)"
+    echo "   A - G build wall time (this build against the baseline): ${x} ms (range $xlo to $xhi ms); A/G ${y}x (range $ylo-$yhi)"
+  fi
 fi
 if { want a || want e; } && [ -S "$T/imgbridge/metrics.sock" ]; then
   # Calls of A's and E's builds (and the warm-ups) through imgbridge, per

@@ -652,12 +652,13 @@ impl ImageEvents {
 }
 
 /// A replica is written the way CRI's own pull writes its records: marked
-/// `io.cri-containerd.image=managed`, after the id record `sha256:<config>`.
-/// CRI's event handler then only refreshes its cache: it writes nothing
-/// back. (It used to create the id record and Update every replica record
-/// to mark it, name and digest ref: two more bolt transactions and events
-/// per name, one name at a time, the most of a burst's time.) A rebuild
-/// under the same name gets its new id record first too.
+/// `io.cri-containerd.image=managed`, with the id record `sha256:<config>`
+/// after them (off the path to CRI's confirmation of the tag). CRI's event
+/// handler then only refreshes its cache: it writes nothing back. (It used
+/// to create the id record and Update every replica record to mark it, name
+/// and digest ref: two more bolt transactions and events per name, one name
+/// at a time, the most of a burst's time.) A rebuild under the same name
+/// gets its new id record too, and the pod runs the new image.
 #[tokio::test]
 async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     let (c, p) = Scenario::cri().start();
@@ -672,15 +673,15 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     let created = |n: &str| ("/images/create".to_string(), n.to_string());
     assert_eq!(
         events.seen,
-        vec![created(&id), created(&name), created(&digest_ref)],
-        "k8s.io's image events: the id record, then the names, and nothing from CRI"
+        vec![created(&name), created(&digest_ref), created(&id)],
+        "k8s.io's image events: the tag, the digest ref, the id record, and nothing from CRI"
     );
     let record = get_image(c.socket(), K8S, &id).await.expect("id record");
     assert_eq!(target_of(&record), target_of(&replica));
     assert_cri_managed(&[&record, &replica]);
     assert_eq!(cri_image_status(c.socket(), &name).await.unwrap().id, id);
 
-    // A rebuild under the same name: a new id, its record first.
+    // A rebuild under the same name: the name moves, then the new id record.
     events.seen.clear();
     let next = TestImage::build("premanaged:1", 2, &["/bin/busybox", "echo", "rebuilt"], 0);
     ctr_import(p.socket(), SRC, &next.docker_archive());
@@ -690,8 +691,8 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     let updated = ("/images/update".to_string(), name.clone());
     let at = |e: &(String, String)| events.seen.iter().position(|s| s == e);
     assert!(
-        at(&created(&new_id)).is_some() && at(&created(&new_id)) < at(&updated),
-        "the new id record before the name moves: {:?}",
+        at(&updated).is_some() && at(&updated) < at(&created(&new_id)),
+        "the name moves, then the new id record is written: {:?}",
         events.seen
     );
     assert_eq!(
@@ -950,4 +951,78 @@ fn config_refuses_loops_and_empty_lists() {
     let e = run(&["--config", cfg.to_str().unwrap()]);
     assert!(e.contains("target_namespaces is empty"), "{e}");
     assert!(!Path::new("/tmp/imgbridge-never.sock").exists());
+}
+
+/// imgbridge's leases in `ns`: (id, resources it holds).
+async fn imgbridge_leases(sock: &Path, ns: &str) -> Vec<(String, usize)> {
+    use api::leases_client::LeasesClient;
+    let mut cl = LeasesClient::new(containerd_channel(sock).await);
+    let list = cl
+        .list(with_ns(api::ListRequest::default(), ns))
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    let mut out = Vec::new();
+    for l in list.into_iter().filter(|l| l.id.starts_with("imgbridge-")) {
+        let held = cl
+            .list_resources(with_ns(api::ListResourcesRequest { id: l.id.clone() }, ns))
+            .await
+            .unwrap()
+            .into_inner()
+            .resources
+            .len();
+        out.push((l.id, held));
+    }
+    out
+}
+
+/// Polls until imgbridge holds exactly one lease in `k8s.io`, the spare,
+/// other than `not`; returns it.
+async fn one_spare(sock: &Path, not: Option<&str>) -> (String, usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = imgbridge_leases(sock, K8S).await;
+        if let [one] = &l[..] {
+            if Some(one.0.as_str()) != not {
+                return one.clone();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected one spare lease besides {not:?}, have {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A replication links its first blob under a lease made before it was
+/// needed (Leases.Create is an fsync'd transaction the held write would
+/// otherwise wait for): after each replication exactly one lease of
+/// imgbridge's is left in `k8s.io`, holding nothing, and the next
+/// replication takes it (its own is released once its records are
+/// written). None is left once imgbridge stops.
+#[tokio::test]
+async fn a_spare_lease_is_ready_holds_nothing_and_goes_at_shutdown() {
+    let (c, mut p) = Scenario::cri().start();
+    ctr_import(
+        p.socket(),
+        SRC,
+        &TestImage::hello("spare:1").docker_archive(),
+    );
+    let (first, held) = one_spare(c.socket(), None).await;
+    assert_eq!(held, 0, "the spare holds nothing");
+    let next = TestImage::build("spare:2", 2, &["/bin/busybox", "echo", "two"], 0);
+    ctr_import(p.socket(), SRC, &next.docker_archive());
+    let (second, held) = one_spare(c.socket(), Some(&first)).await;
+    assert_eq!(held, 0, "the new spare holds nothing");
+    assert!(cri_image_status(c.socket(), &next.normalized())
+        .await
+        .is_some());
+    p.sigterm();
+    assert_eq!(
+        imgbridge_leases(c.socket(), K8S).await,
+        vec![],
+        "no lease left once imgbridge stopped (the spare was {second})"
+    );
 }

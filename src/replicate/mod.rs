@@ -17,6 +17,7 @@ mod locks;
 pub mod observe;
 mod pending;
 pub mod span;
+mod spare;
 pub mod tree;
 
 use std::collections::HashMap;
@@ -172,25 +173,33 @@ impl Outcome {
     }
 }
 
-/// A replication's lease in its target, created by the first write. It is
-/// released explicitly once the blobs are referenced, and from `Drop` when
-/// the replication is cancelled (timeout, caller gone) so the content is not
-/// held until the lease expires.
+/// A replication's lease in its target, taken by the first write (a spare
+/// made ready before, see [`spare`]). It is released explicitly once the
+/// blobs are referenced, and from `Drop` when the replication is cancelled
+/// (timeout, caller gone) so the content is not held until the lease
+/// expires. Either way the next spare is made after it is gone.
 struct Lease {
-    c: Containerd,
+    spares: Arc<spare::Spares>,
     target: String,
     id: OnceCell<String>,
     released: std::sync::atomic::AtomicBool,
 }
 
 impl Lease {
-    fn new(c: &Containerd, target: &str) -> Lease {
+    fn new(spares: &Arc<spare::Spares>, target: &str) -> Lease {
         Lease {
-            c: c.clone(),
+            spares: spares.clone(),
             target: target.into(),
             id: OnceCell::new(),
             released: Default::default(),
         }
+    }
+
+    /// The lease's id; the first caller takes it.
+    async fn id(&self) -> Result<&String, ctrd::Error> {
+        self.id
+            .get_or_try_init(|| self.spares.take(&self.target))
+            .await
     }
 
     async fn release(&self) {
@@ -201,9 +210,9 @@ impl Lease {
         {
             return;
         }
-        if let Err(e) = self.c.delete_lease(&self.target, id).await {
-            tracing::warn!(lease = %id, target = %self.target, error = %e, "could not release lease; it expires on its own");
-        }
+        self.spares.delete(&self.target, id).await;
+        let (spares, target) = (self.spares.clone(), self.target.clone());
+        tokio::spawn(async move { spares.refill(&target).await });
     }
 }
 
@@ -213,11 +222,10 @@ impl Drop for Lease {
             return;
         };
         if !*self.released.get_mut() {
-            let (c, target) = (self.c.clone(), std::mem::take(&mut self.target));
+            let (spares, target) = (self.spares.clone(), std::mem::take(&mut self.target));
             rt.spawn(async move {
-                if let Err(e) = c.delete_lease(&target, &id).await {
-                    tracing::warn!(lease = %id, target, error = %e, "could not release a replication's lease; it expires on its own");
-                }
+                spares.delete(&target, &id).await;
+                spares.refill(&target).await;
             });
         }
     }
@@ -229,9 +237,11 @@ struct Walked {
     _lease: Lease,
     outcome: Outcome,
     configs: Vec<String>,
-    /// The image id CRI will report, when certain; its id record is then
-    /// written and the names are written already marked ([`cri_id`]).
+    /// The image id CRI will report, when certain; the names are then
+    /// written already marked and its id record next to them ([`cri_id`]).
     cri_id: Option<String>,
+    /// The id record's writes, made once for every name of the tree.
+    id_record: OnceCell<usize>,
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -251,6 +261,8 @@ pub struct Replicator {
     /// Replications waiting for CRI right now (spreads their polls).
     cri_waiters: std::sync::atomic::AtomicUsize,
     pending: pending::Pending,
+    /// A lease per target ready for the next replication that links.
+    spares: Arc<spare::Spares>,
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
     cri: OnceCell<bool>,
     shared: OnceCell<bool>,
@@ -291,6 +303,7 @@ enum Step {
 impl Replicator {
     pub fn new(c: Containerd, s: Settings) -> Arc<Self> {
         Arc::new(Replicator {
+            spares: Arc::new(spare::Spares::new(c.clone(), LEASE_TTL)),
             c,
             s,
             locks: locks::KeyedLocks::default(),
@@ -350,7 +363,10 @@ impl Replicator {
     /// Starts the background linker for blobs that were missing.
     pub fn start(self: &Arc<Self>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
-        tokio::spawn(async move { pending::run(me, shutdown).await })
+        tokio::spawn(async move {
+            pending::run(me.clone(), shutdown).await;
+            me.spares.release_all().await;
+        })
     }
 
     /// Replicates the current state of `name` in `source` into every target.
@@ -472,7 +488,8 @@ impl Replicator {
         let configs = tree.configs.clone();
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
-        // event first; the digest ref and the lease release overlap the wait.
+        // event first; the digest ref, the id record and the lease release
+        // overlap the wait.
         let managed = tree.cri_id.is_some();
         let tag = self
             .put_record(source, target, &names[0], &image, existing, managed)
@@ -484,7 +501,7 @@ impl Replicator {
         // of names for one image would otherwise write it once per name
         // (each a bolt transaction with an fsync, one at a time), so its
         // writers take turns and each reads it again under the lock.
-        let rest = futures_util::future::join_all(names[1..].iter().map(|n| {
+        let digest_refs = futures_util::future::join_all(names[1..].iter().map(|n| {
             let image = &image;
             async move {
                 let _guard = self.locks.lock(format!("{target}\0{n}")).await;
@@ -493,6 +510,15 @@ impl Replicator {
                     .await
             }
         }));
+        // The id record after the digest ref: CRI handles events in order,
+        // and a pod may name the image by digest, not by id.
+        let rest = async {
+            let mut writes = 0;
+            for r in digest_refs.await {
+                writes += r?;
+            }
+            Ok::<_, ctrd::Error>(writes + self.id_record(target, &tree, &root).await?)
+        };
         let (rest, (mut polls, resolved)) = tokio::join!(rest, async {
             if confirm {
                 self.wait_cri(target, &target_name, &configs).await
@@ -503,9 +529,7 @@ impl Replicator {
         // Every record is written: the tree is referenced, its lease can go
         // (when the last replication sharing it is done with it).
         drop(tree);
-        for r in rest {
-            outcome.writes += r.map_err(err)?;
-        }
+        outcome.writes += rest.map_err(err)?;
         // A pod may name the image by digest (`repo:tag@sha256:…`): the
         // digest ref is confirmed too. CRI handles events in order, so it
         // usually is by now (one poll). Not when the tag timed out: CRI is
@@ -558,27 +582,52 @@ impl Replicator {
         {
             return Ok((w, true));
         }
-        let lease = Lease::new(&self.c, target);
-        let (mut outcome, configs) = self.walk(source, target, image, root, &lease.id).await?;
-        // Every blob is visible: the id record can go in, before any name.
+        let lease = Lease::new(&self.spares, target);
+        let (outcome, configs) = self.walk(source, target, image, root, &lease).await?;
         let cri_id = match target == CRI_NAMESPACE && self.has_cri().await {
             true => self.cri_id(source, root).await,
             false => None,
         };
-        if let Some(id) = &cri_id {
-            let _guard = self.locks.lock(format!("{target}\0{id}")).await;
-            outcome.writes += cri_id::ensure(&self.c, target, id, root).await?;
-        }
         let w = Arc::new(Walked {
             _lease: lease,
             outcome,
             configs,
             cri_id,
+            id_record: OnceCell::new(),
         });
         let mut walked = lock(&self.walked);
         walked.retain(|_, w| w.strong_count() > 0);
         walked.insert(key, Arc::downgrade(&w));
         Ok((w, false))
+    }
+
+    /// Makes sure the id record of a tree whose names are written marked
+    /// exists ([`cri_id`]), once for all of them; returns the writes this
+    /// caller made. CRI does not write it for a marked name, and does not
+    /// need it to resolve one: it is what keeps the tree alive by its id
+    /// once the names move on, so it is written right after the first name,
+    /// off the path to CRI's confirmation, and before any reply.
+    async fn id_record(
+        &self,
+        target: &str,
+        tree: &Walked,
+        root: &Descriptor,
+    ) -> Result<usize, ctrd::Error> {
+        let Some(id) = &tree.cri_id else {
+            return Ok(0);
+        };
+        let mut mine = false;
+        let writes = tree
+            .id_record
+            .get_or_try_init(|| {
+                mine = true;
+                async {
+                    let _guard = self.locks.lock(format!("{target}\0{id}")).await;
+                    cri_id::ensure(&self.c, target, id, root).await
+                }
+            })
+            .await?;
+        Ok(if mine { *writes } else { 0 })
     }
 
     /// Walks the tree from `root`, making every present blob visible in
@@ -595,7 +644,7 @@ impl Replicator {
         target: &str,
         image: &str,
         root: &Descriptor,
-        lease: &OnceCell<String>,
+        lease: &Lease,
     ) -> Result<(Outcome, Vec<String>), ctrd::Error> {
         let mut outcome = Outcome::default();
         let mut configs = Vec::new();
@@ -730,7 +779,7 @@ impl Replicator {
         target: &str,
         c: &Child,
         w: Write,
-        lease: &OnceCell<String>,
+        lease: &Lease,
     ) -> Result<usize, ctrd::Error> {
         let (size, labels) = match w {
             Write::Relabel(missing) => {
@@ -744,9 +793,7 @@ impl Replicator {
             }
             Write::Link { size, labels } => (size, labels),
         };
-        let id = lease
-            .get_or_try_init(|| self.c.create_lease(target, LEASE_TTL))
-            .await?;
+        let id = lease.id().await?;
         let blob = BlobRef {
             digest: &c.digest,
             size,
@@ -851,7 +898,7 @@ impl Replicator {
 
     /// Writes the record `name` in `target`, pointing where the source
     /// record `image` points, if it differs; returns writes. `managed`:
-    /// written marked as CRI's, its id record being there.
+    /// written marked as CRI's, its id record written next to it.
     async fn put_record(
         &self,
         source: &str,

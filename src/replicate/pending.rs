@@ -329,11 +329,8 @@ impl Replicator {
             // this blob, so the link is GC-safe by itself; the walk's lease
             // (created only if it writes) covers its children until they
             // are referenced. Children still missing are queued in turn.
-            let lease = super::Lease::new(&self.c, target);
-            match self
-                .walk(job.source(), target, &image, &root, &lease.id)
-                .await
-            {
+            let lease = super::Lease::new(&self.spares, target);
+            match self.walk(job.source(), target, &image, &root, &lease).await {
                 Ok(_) => done.push(target.clone()),
                 Err(e) => {
                     tracing::warn!(images = ?job.images, digest = %job.child.digest, target = ?target, error = %e,
