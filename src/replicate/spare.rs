@@ -15,12 +15,19 @@ use std::time::{Duration, Instant};
 
 use crate::containerd::{self as ctrd, Containerd};
 
+/// A target's spare.
+enum Slot {
+    /// Being made: a burst of replications released at once makes one.
+    Making,
+    /// Ready since the instant.
+    Ready(String, Instant),
+}
+
 pub struct Spares {
     c: Containerd,
     ttl: Duration,
-    /// target → (lease id, when it was made).
-    ready: Mutex<HashMap<String, (String, Instant)>>,
-    /// Set at shutdown: a refill that finishes later deletes what it made.
+    slots: Mutex<HashMap<String, Slot>>,
+    /// Set at shutdown: a spare made later is deleted at once.
     closed: AtomicBool,
 }
 
@@ -29,13 +36,13 @@ impl Spares {
         Spares {
             c,
             ttl,
-            ready: Mutex::default(),
+            slots: Mutex::default(),
             closed: AtomicBool::new(false),
         }
     }
 
-    fn ready(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
-        self.ready
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
+        self.slots
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -43,61 +50,79 @@ impl Spares {
     /// A lease for `target`, all its own: the spare if one is ready and has
     /// most of its life left, else a new one.
     pub async fn take(&self, target: &str) -> Result<String, ctrd::Error> {
-        let spare = self.ready().remove(target);
-        if let Some((id, made)) = spare {
-            if made.elapsed() < self.ttl / 2 {
-                return Ok(id);
+        let stale = {
+            let mut slots = self.slots();
+            match slots.remove(target) {
+                Some(Slot::Ready(id, made)) if made.elapsed() < self.ttl / 2 => return Ok(id),
+                Some(Slot::Ready(id, _)) => Some(id),
+                Some(Slot::Making) => {
+                    slots.insert(target.into(), Slot::Making);
+                    None
+                }
+                None => None,
             }
+        };
+        if let Some(id) = stale {
             self.delete(target, &id).await;
         }
         self.c.create_lease(target, self.ttl).await
     }
 
-    /// Makes a spare ready for `target` if none is. Called once a
-    /// replication has released its lease, off any client's path.
+    /// Makes a spare ready for `target` unless one is (or is being made).
+    /// Called once a replication has released its lease, off any client's
+    /// path.
     pub async fn refill(&self, target: &str) {
-        if self.closed.load(Ordering::SeqCst) || self.ready().contains_key(target) {
-            return;
+        {
+            let mut slots = self.slots();
+            if self.closed.load(Ordering::SeqCst) || slots.contains_key(target) {
+                return;
+            }
+            slots.insert(target.into(), Slot::Making);
         }
-        match self.c.create_lease(target, self.ttl).await {
-            Ok(id) => {
-                let extra = {
-                    let mut ready = self.ready();
-                    if self.closed.load(Ordering::SeqCst) {
-                        Some(id)
-                    } else {
-                        // Two refills raced: keep one.
-                        ready
-                            .insert(target.into(), (id, Instant::now()))
-                            .map(|o| o.0)
-                    }
-                };
-                if let Some(extra) = extra {
-                    self.delete(target, &extra).await;
+        let made = self.c.create_lease(target, self.ttl).await;
+        let extra = {
+            let mut slots = self.slots();
+            match made {
+                Ok(id) if self.closed.load(Ordering::SeqCst) => Some(id),
+                Ok(id) => {
+                    slots.insert(target.into(), Slot::Ready(id, Instant::now()));
+                    None
+                }
+                Err(e) => {
+                    slots.remove(target);
+                    tracing::debug!(target, error = %e, "no spare lease made; the next replication makes its own");
+                    None
                 }
             }
-            Err(e) => {
-                tracing::debug!(target, error = %e, "no spare lease made; the next replication makes its own")
-            }
+        };
+        if let Some(id) = extra {
+            self.delete(target, &id).await;
         }
     }
 
     /// Deletes every spare (at shutdown): they hold nothing, and need not
     /// wait for their expiry.
     pub async fn release_all(&self) {
-        let all: Vec<_> = {
-            let mut ready = self.ready();
+        let ready: Vec<_> = {
+            let mut slots = self.slots();
             self.closed.store(true, Ordering::SeqCst);
-            ready.drain().collect()
+            slots
+                .drain()
+                .filter_map(|(t, s)| match s {
+                    Slot::Ready(id, _) => Some((t, id)),
+                    Slot::Making => None,
+                })
+                .collect()
         };
-        for (target, (id, _)) in all {
+        for (target, id) in ready {
             self.delete(&target, &id).await;
         }
     }
 
+    /// Deletes a lease; one that cannot be deleted expires on its own.
     pub async fn delete(&self, target: &str, id: &str) {
         if let Err(e) = self.c.delete_lease(target, id).await {
-            tracing::debug!(lease = %id, target, error = %e, "could not delete a spare lease; it expires on its own");
+            tracing::warn!(lease = %id, target, error = %e, "could not delete a lease; it expires on its own");
         }
     }
 }
