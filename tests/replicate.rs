@@ -421,7 +421,7 @@ async fn one_config_under_two_trees_leaves_its_id_record_alone() {
     create_image(p.socket(), SRC, "twotrees-index:1", &index).await;
     let id = img.config_digest();
     let manifest = target_of(&get_image(c.socket(), K8S, &img.normalized()).await.unwrap());
-    let record = get_image(c.socket(), K8S, &id).await.expect("id record");
+    let record = id_record(c.socket(), &id).await;
     assert_eq!(target_of(&record), manifest, "written with the first tree");
     let mut events = ImageEvents::start(c.socket()).await;
     // Both source records written again as they are: each replicates.
@@ -653,7 +653,7 @@ impl ImageEvents {
 
 /// A replica is written the way CRI's own pull writes its records: marked
 /// `io.cri-containerd.image=managed`, with the id record `sha256:<config>`
-/// after them (off the path to CRI's confirmation of the tag). CRI's event
+/// after them (after the write returns: CRI does not need it). CRI's event
 /// handler then only refreshes its cache: it writes nothing back. (It used
 /// to create the id record and Update every replica record to mark it, name
 /// and digest ref: two more bolt transactions and events per name, one name
@@ -665,8 +665,9 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     let mut events = ImageEvents::start(c.socket()).await;
     let img = TestImage::hello("premanaged:1");
     ctr_import(p.socket(), SRC, &img.docker_archive());
-    events.mark().await;
     let id = img.config_digest();
+    id_record(c.socket(), &id).await;
+    events.mark().await;
     let name = img.normalized();
     let replica = get_image(c.socket(), K8S, &name).await.unwrap();
     let digest_ref = format!("docker.io/library/premanaged@{}", target_of(&replica));
@@ -676,7 +677,7 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
         vec![created(&name), created(&digest_ref), created(&id)],
         "k8s.io's image events: the tag, the digest ref, the id record, and nothing from CRI"
     );
-    let record = get_image(c.socket(), K8S, &id).await.expect("id record");
+    let record = get_image(c.socket(), K8S, &id).await.unwrap();
     assert_eq!(target_of(&record), target_of(&replica));
     assert_cri_managed(&[&record, &replica]);
     assert_eq!(cri_image_status(c.socket(), &name).await.unwrap().id, id);
@@ -685,8 +686,9 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
     events.seen.clear();
     let next = TestImage::build("premanaged:1", 2, &["/bin/busybox", "echo", "rebuilt"], 0);
     ctr_import(p.socket(), SRC, &next.docker_archive());
-    events.mark().await;
     let new_id = next.config_digest();
+    id_record(c.socket(), &new_id).await;
+    events.mark().await;
     assert_ne!(new_id, id);
     let updated = ("/images/update".to_string(), name.clone());
     let at = |e: &(String, String)| events.seen.iter().position(|s| s == e);
@@ -713,6 +715,14 @@ async fn replicas_are_written_managed_so_cri_writes_nothing_back() {
         .await
         .cleanup()
         .await;
+}
+
+/// The id record `id` in `k8s.io`, polled for: it is written after the
+/// write that named the image has returned.
+async fn id_record(sock: &Path, id: &str) -> api::Image {
+    poll_async(Duration::from_secs(10), || get_image(sock, K8S, id))
+        .await
+        .unwrap_or_else(|| panic!("no id record {id} in {K8S} within 10 s"))
 }
 
 /// A pod may name its image by digest (Skaffold deploys `tag@sha256:…`):

@@ -244,6 +244,35 @@ struct Walked {
     id_record: OnceCell<usize>,
 }
 
+/// Makes sure the id record of a tree whose names are written marked
+/// exists ([`cri_id`]), once for all of them; returns the writes this
+/// caller made. CRI does not write it for a marked name, and does not need
+/// it to resolve one: it keeps the tree alive by its id once the names move
+/// on, so it is written after the names, off a client's path.
+async fn id_record(
+    c: &Containerd,
+    locks: &locks::KeyedLocks,
+    target: &str,
+    tree: &Walked,
+    root: &Descriptor,
+) -> Result<usize, ctrd::Error> {
+    let Some(id) = &tree.cri_id else {
+        return Ok(0);
+    };
+    let mut mine = false;
+    let writes = tree
+        .id_record
+        .get_or_try_init(|| {
+            mine = true;
+            async {
+                let _guard = locks.lock(format!("{target}\0{id}")).await;
+                cri_id::ensure(c, target, id, root).await
+            }
+        })
+        .await?;
+    Ok(if mine { *writes } else { 0 })
+}
+
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -252,7 +281,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub struct Replicator {
     c: Containerd,
     s: Settings,
-    locks: locks::KeyedLocks,
+    locks: Arc<locks::KeyedLocks>,
     /// One walk per (source, target, tree) at a time, and its result.
     walk_locks: locks::KeyedLocks,
     walked: std::sync::Mutex<HashMap<String, std::sync::Weak<Walked>>>,
@@ -306,7 +335,7 @@ impl Replicator {
             spares: Arc::new(spare::Spares::new(c.clone(), LEASE_TTL)),
             c,
             s,
-            locks: locks::KeyedLocks::default(),
+            locks: Default::default(),
             walk_locks: locks::KeyedLocks::default(),
             walked: Default::default(),
             cri_waiters: Default::default(),
@@ -488,8 +517,8 @@ impl Replicator {
         let configs = tree.configs.clone();
         let walked = started.elapsed();
         // Every blob is visible: the tag first, so that CRI handles its
-        // event first; the digest ref, the id record and the lease release
-        // overlap the wait.
+        // event first; the digest ref and the lease release overlap the
+        // wait, the id record follows.
         let managed = tree.cri_id.is_some();
         let tag = self
             .put_record(source, target, &names[0], &image, existing, managed)
@@ -510,26 +539,38 @@ impl Replicator {
                     .await
             }
         }));
-        // The id record after the digest ref: CRI handles events in order,
-        // and a pod may name the image by digest, not by id.
-        let rest = async {
-            let mut writes = 0;
-            for r in digest_refs.await {
-                writes += r?;
-            }
-            Ok::<_, ctrd::Error>(writes + self.id_record(target, &tree, &root).await?)
-        };
-        let (rest, (mut polls, resolved)) = tokio::join!(rest, async {
+        let (rest, (mut polls, resolved)) = tokio::join!(digest_refs, async {
             if confirm {
                 self.wait_cri(target, &target_name, &configs).await
             } else {
                 (0, false)
             }
         });
-        // Every record is written: the tree is referenced, its lease can go
-        // (when the last replication sharing it is done with it).
-        drop(tree);
-        outcome.writes += rest.map_err(err)?;
+        for r in rest {
+            outcome.writes += r.map_err(err)?;
+        }
+        // The id record after the names: CRI does not need it to resolve
+        // them (and handles events in order), so a client's write does not
+        // wait for it. The tree, and with it the lease (once the last
+        // replication sharing it is done), is held until the record is in.
+        if wait_cri {
+            let (c, locks, target, root) = (
+                self.c.clone(),
+                self.locks.clone(),
+                target.to_string(),
+                root.clone(),
+            );
+            tokio::spawn(async move {
+                if let Err(e) = id_record(&c, &locks, &target, &tree, &root).await {
+                    tracing::warn!(target, id = ?tree.cri_id, error = %e,
+                        "could not write the image id record CRI keeps; the next pass over the image writes it");
+                }
+            });
+        } else {
+            outcome.writes += id_record(&self.c, &self.locks, target, &tree, &root)
+                .await
+                .map_err(err)?;
+        }
         // A pod may name the image by digest (`repo:tag@sha256:…`): the
         // digest ref is confirmed too. CRI handles events in order, so it
         // usually is by now (one poll). Not when the tag timed out: CRI is
@@ -599,35 +640,6 @@ impl Replicator {
         walked.retain(|_, w| w.strong_count() > 0);
         walked.insert(key, Arc::downgrade(&w));
         Ok((w, false))
-    }
-
-    /// Makes sure the id record of a tree whose names are written marked
-    /// exists ([`cri_id`]), once for all of them; returns the writes this
-    /// caller made. CRI does not write it for a marked name, and does not
-    /// need it to resolve one: it is what keeps the tree alive by its id
-    /// once the names move on, so it is written right after the first name,
-    /// off the path to CRI's confirmation, and before any reply.
-    async fn id_record(
-        &self,
-        target: &str,
-        tree: &Walked,
-        root: &Descriptor,
-    ) -> Result<usize, ctrd::Error> {
-        let Some(id) = &tree.cri_id else {
-            return Ok(0);
-        };
-        let mut mine = false;
-        let writes = tree
-            .id_record
-            .get_or_try_init(|| {
-                mine = true;
-                async {
-                    let _guard = self.locks.lock(format!("{target}\0{id}")).await;
-                    cri_id::ensure(&self.c, target, id, root).await
-                }
-            })
-            .await?;
-        Ok(if mine { *writes } else { 0 })
     }
 
     /// Walks the tree from `root`, making every present blob visible in
