@@ -37,6 +37,7 @@ use futures_util::stream::{self, StreamExt};
 use imgbridge::containerd::content::BlobRef;
 use imgbridge::containerd::{request, Containerd, Descriptor, Image};
 use imgbridge::reference::Reference;
+use imgbridge::replicate::cri_view::CriView;
 use imgbridge::replicate::tree;
 use sha2::{Digest, Sha256};
 
@@ -222,7 +223,8 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
                 cl.version().await?;
             }
             let tag = format!("{:x}", rand::random::<u32>());
-            let waiting = std::sync::atomic::AtomicUsize::new(0);
+            // CRI's answers shared by every waiter, as imgbridge waits.
+            let waiting = CriView::new(Containerd::new(a.req("containerd")?));
             let waiting = &waiting;
             // The tree is linked into k8s.io once for the burst (as
             // imgbridge's shared walk does); replica records wait for it.
@@ -267,12 +269,12 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
                         let by_digest = format!("docker.io/library/{repo}@{}", target.digest);
                         let (digest_ref, resolved) = tokio::join!(
                             managed_record(cl, &by_digest, target),
-                            cri_resolves(cl, &full, waiting)
+                            cri_resolves(&full, waiting)
                         );
                         digest_ref?;
                         return resolved;
                     }
-                    cri_resolves(cl, &full, waiting).await
+                    cri_resolves(&full, waiting).await
                 }
             });
             let results = futures_util::future::join_all(calls).await;
@@ -331,28 +333,23 @@ async fn managed_record(c: &Containerd, name: &str, target: &Descriptor) -> Res<
     }
 }
 
-/// Polls CRI until `name` resolves; `waiting` spreads the polls of
-/// concurrent callers to about one per millisecond in all.
-async fn cri_resolves(
-    c: &Containerd,
-    name: &str,
-    waiting: &std::sync::atomic::AtomicUsize,
-) -> Res<()> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    waiting.fetch_add(1, Relaxed);
-    let r = loop {
-        match c.cri_image_id(name).await {
-            Ok(Some(_)) => break Ok(()),
-            Ok(None) | Err(_) if Instant::now() < deadline => {}
-            Ok(None) => break Err(format!("CRI did not resolve {name} in 30 s").into()),
-            Err(e) => break Err(e.into()),
+/// Waits until CRI resolves `name` (written before the call), in the
+/// `ListImages` answers every waiter of the burst shares ([`CriView`]).
+async fn cri_resolves(name: &str, view: &CriView) -> Res<()> {
+    let _waiting = view.enter();
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    let mut after = started;
+    loop {
+        let (asked, id) = view.id_after(name, after).await;
+        if id.is_some() {
+            return Ok(());
         }
-        let n = waiting.load(Relaxed).max(1) as u64;
-        tokio::time::sleep(Duration::from_millis(n.min(200))).await;
-    };
-    waiting.fetch_sub(1, Relaxed);
-    r
+        if Instant::now() >= deadline {
+            return Err(format!("CRI did not resolve {name} in 30 s").into());
+        }
+        after = asked + Duration::from_nanos(1);
+    }
 }
 
 /// A2: Images.Create directly vs through the proxy; with --cold also the

@@ -757,6 +757,13 @@ async fn digest_refs_resolve_in_cri_when_the_write_returns() {
         "CRI did not resolve the digest ref on return for {} of 50: {misses:?}",
         misses.len()
     );
+    // Fifty waiting at once share CRI's answers: each saw its names there,
+    // none returned on the timeout.
+    assert!(
+        !p.log().contains("did not resolve it in time"),
+        "a replication gave up waiting for CRI:\n{}",
+        p.log_tail()
+    );
 }
 
 #[tokio::test]

@@ -44,3 +44,24 @@ impl Containerd {
         Ok(r.into_inner().image_ref)
     }
 }
+
+impl Containerd {
+    /// CRI `ListImages`: every image kubelet sees, as (id, its names: repo
+    /// tags and repo digests).
+    pub async fn cri_list_images(&self) -> Result<Vec<(String, Vec<String>)>> {
+        let r = self
+            .cri_images()
+            .list_images(k8s_cri::v1::ListImagesRequest { filter: None })
+            .await
+            .map_err(Error::status("CRI ListImages".to_string()))?;
+        Ok(r.into_inner()
+            .images
+            .into_iter()
+            .map(|i| {
+                let mut names = i.repo_tags;
+                names.extend(i.repo_digests);
+                (i.id, names)
+            })
+            .collect())
+    }
+}

@@ -10,6 +10,7 @@
 mod announce;
 pub mod commit;
 mod cri_id;
+pub mod cri_view;
 mod delete;
 pub(crate) mod distribution;
 pub mod hooks;
@@ -59,9 +60,10 @@ fn missing_labels(
 /// CRI poll interval: 1 ms while CRI usually catches up, then backing off
 /// so a slow (or failing) CRI is not hammered until `cri_wait` runs out.
 /// With `waiters` replications polling at once, each polls that much less
-/// often: all together stay near 1000 ImageStatus calls a second. A burst of
-/// 200 Creates polling every millisecond each kept containerd (and with it
-/// CRI's own event handling, which they wait for) busy answering them.
+/// often: all together stay near 1000 ImageStatus calls a second (a burst of
+/// 200 Creates polling every millisecond each kept containerd, and with it
+/// CRI's own event handling, which they wait for, busy answering them). From
+/// [`cri_view::SHARED_FROM`] waiters on they share one `ListImages` instead.
 fn cri_poll_delay(waited: Duration, waiters: usize) -> Duration {
     let alone = match waited.as_millis() {
         0..=50 => Duration::from_millis(1),
@@ -71,21 +73,6 @@ fn cri_poll_delay(waited: Duration, waiters: usize) -> Duration {
     alone.max(Duration::from_millis(waiters as u64).min(Duration::from_millis(250)))
 }
 
-/// Counts a replication among those waiting for CRI while it lives.
-struct Waiter<'a>(&'a std::sync::atomic::AtomicUsize);
-
-impl<'a> Waiter<'a> {
-    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
-        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Waiter(n)
-    }
-}
-
-impl Drop for Waiter<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
 /// Reset writes followed at once: each costs one Images.Get per 250 ms
 /// for up to 3 s.
 const ABANDONED_FOLLOWED: usize = 256;
@@ -287,8 +274,8 @@ pub struct Replicator {
     walked: std::sync::Mutex<HashMap<String, std::sync::Weak<Walked>>>,
     /// Bounds the reset writes followed at once ([`Self::on_abandoned`]).
     abandoned: Arc<tokio::sync::Semaphore>,
-    /// Replications waiting for CRI right now (spreads their polls).
-    cri_waiters: std::sync::atomic::AtomicUsize,
+    /// Replications waiting for CRI, and the answers they share.
+    cri_view: cri_view::CriView,
     pending: pending::Pending,
     /// A lease per target ready for the next replication that links.
     spares: Arc<spare::Spares>,
@@ -333,12 +320,12 @@ impl Replicator {
     pub fn new(c: Containerd, s: Settings) -> Arc<Self> {
         Arc::new(Replicator {
             spares: Arc::new(spare::Spares::new(c.clone(), LEASE_TTL)),
+            cri_view: cri_view::CriView::new(c.clone()),
             c,
             s,
             locks: Default::default(),
             walk_locks: locks::KeyedLocks::default(),
             walked: Default::default(),
-            cri_waiters: Default::default(),
             abandoned: Arc::new(tokio::sync::Semaphore::new(ABANDONED_FOLLOWED)),
             pending: pending::Pending::default(),
             nodes: Default::default(),
@@ -984,25 +971,45 @@ impl Replicator {
     /// resolved (or needs no confirmation) before `cri_wait` ran out. CRI follows
     /// containerd's events a few ms behind the record, so the first poll is
     /// immediate and the next ones come every millisecond before backing off.
+    /// With many waiting, they share one `ListImages` ([`cri_view`]).
     async fn wait_cri(&self, target: &str, name: &str, configs: &[String]) -> (usize, bool) {
         if configs.is_empty() || !self.has_cri().await {
             return (0, true);
         }
-        let _waiting = Waiter::enter(&self.cri_waiters);
+        let _waiting = self.cri_view.enter();
         let started = Instant::now();
         let deadline = started + self.s.cri_wait;
+        // The record was written before: any answer asked from now on
+        // has it if CRI has handled it.
+        let mut after = started;
         let mut polls = 0;
         loop {
             polls += 1;
-            match self.c.cri_image_id(name).await {
-                Ok(Some(id)) if configs.contains(&id) => {
-                    if let Some(o) = self.observer() {
-                        o.cri_confirmed(started.elapsed());
+            let shared = self.cri_view.waiters() >= cri_view::SHARED_FROM;
+            let id = if shared {
+                let answer = self.cri_view.id_after(name, after);
+                match tokio::time::timeout_at(deadline.into(), answer).await {
+                    Ok((asked, id)) => {
+                        after = asked + Duration::from_nanos(1);
+                        id
                     }
-                    return (polls, true);
+                    Err(_) => None,
                 }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
+            } else {
+                self.c
+                    .cri_image_id(name)
+                    .await
+                    .inspect_err(
+                        |e| tracing::debug!(name, error = %e, "CRI ImageStatus failed; retrying"),
+                    )
+                    .ok()
+                    .flatten()
+            };
+            if id.is_some_and(|id| configs.contains(&id)) {
+                if let Some(o) = self.observer() {
+                    o.cri_confirmed(started.elapsed());
+                }
+                return (polls, true);
             }
             if Instant::now() >= deadline {
                 // The replica is written: failing the client's write now
@@ -1011,8 +1018,10 @@ impl Replicator {
                     "the replica is written but CRI ImageStatus did not resolve it in time; kubelet sees it once CRI catches up (is containerd overloaded?)");
                 return (polls, false);
             }
-            let waiters = self.cri_waiters.load(std::sync::atomic::Ordering::Relaxed);
-            tokio::time::sleep(cri_poll_delay(started.elapsed(), waiters)).await;
+            if !shared {
+                let waiters = self.cri_view.waiters();
+                tokio::time::sleep(cri_poll_delay(started.elapsed(), waiters)).await;
+            }
         }
     }
 
