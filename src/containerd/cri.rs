@@ -1,7 +1,7 @@
 //! CRI calls on containerd's socket: the kubelet's view of images.
 
 use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::{ImageSpec, ImageStatusRequest, PullImageRequest};
+use k8s_cri::v1::{ImageSpec, ImageStatusRequest, ListImagesRequest, PullImageRequest};
 
 use super::{Containerd, Error, Result};
 
@@ -43,15 +43,13 @@ impl Containerd {
             .map_err(Error::status(format!("CRI PullImage {name}")))?;
         Ok(r.into_inner().image_ref)
     }
-}
 
-impl Containerd {
     /// CRI `ListImages`: every image kubelet sees, as (id, its names: repo
     /// tags and repo digests).
     pub async fn cri_list_images(&self) -> Result<Vec<(String, Vec<String>)>> {
         let r = self
             .cri_images()
-            .list_images(k8s_cri::v1::ListImagesRequest { filter: None })
+            .list_images(ListImagesRequest { filter: None })
             .await
             .map_err(Error::status("CRI ListImages".to_string()))?;
         Ok(r.into_inner()

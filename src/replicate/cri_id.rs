@@ -14,10 +14,10 @@
 //! CRI's handler skips a marked record and only refreshes its cache, so the
 //! id record is ours to write: CRI would not create it then. It does not
 //! need it to resolve a name (its cache maps names to the config it reads),
-//! so the id record goes in after the tree's first name, while CRI handles
-//! that name's event, and before the reply. When the id is not certain (an
-//! index without a platform on every entry, a nested index), nothing is
-//! marked and CRI does it all.
+//! so the id record goes in after the tree's names, once the client's write
+//! has returned (the reconcile pass writes it inline). When the id is not
+//! certain (an index without a platform on every entry, a nested index),
+//! nothing is marked and CRI does it all.
 
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
 use crate::labels::{CRI_MANAGED, CRI_MANAGED_VALUE as MANAGED};
