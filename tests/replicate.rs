@@ -997,20 +997,14 @@ async fn imgbridge_leases(sock: &Path, ns: &str) -> Vec<(String, usize)> {
 /// Polls until imgbridge holds exactly one lease in `k8s.io`, the spare,
 /// other than `not`; returns it.
 async fn one_spare(sock: &Path, not: Option<&str>) -> (String, usize) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let l = imgbridge_leases(sock, K8S).await;
-        if let [one] = &l[..] {
-            if Some(one.0.as_str()) != not {
-                return one.clone();
-            }
+    let found = poll_async(Duration::from_secs(10), || async {
+        match &imgbridge_leases(sock, K8S).await[..] {
+            [one] if Some(one.0.as_str()) != not => Some(one.clone()),
+            _ => None,
         }
-        assert!(
-            Instant::now() < deadline,
-            "expected one spare lease besides {not:?}, have {l:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
+    found.unwrap_or_else(|| panic!("expected one spare lease besides {not:?} within 10 s"))
 }
 
 /// A replication links its first blob under a lease made before it was

@@ -70,6 +70,13 @@ impl CriView {
         self.waiters.load(Ordering::Relaxed)
     }
 
+    /// Whether a waiter should take the shared answers: enough wait, or the
+    /// refresher already runs (it runs until the last waiter is gone, so
+    /// the tail of a burst polling on its own would only ask CRI twice).
+    pub fn shared(&self) -> bool {
+        self.waiters() >= SHARED_FROM || self.refreshing.load(Ordering::Acquire)
+    }
+
     /// The first answer asked at or after `after` (the record's write, or
     /// the previous answer's), and the image id CRI gave `name` in it, if
     /// any. Starts the shared refresher if it is not running.

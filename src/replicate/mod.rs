@@ -63,7 +63,8 @@ fn missing_labels(
 /// often: all together stay near 1000 ImageStatus calls a second (a burst of
 /// 200 Creates polling every millisecond each kept containerd, and with it
 /// CRI's own event handling, which they wait for, busy answering them). From
-/// [`cri_view::SHARED_FROM`] waiters on they share one `ListImages` instead.
+/// [`cri_view::SHARED_FROM`] waiters on they share one `ListImages` instead
+/// ([`cri_view::CriView::shared`]).
 fn cri_poll_delay(waited: Duration, waiters: usize) -> Duration {
     let alone = match waited.as_millis() {
         0..=50 => Duration::from_millis(1),
@@ -985,7 +986,7 @@ impl Replicator {
         let mut polls = 0;
         loop {
             polls += 1;
-            let shared = self.cri_view.waiters() >= cri_view::SHARED_FROM;
+            let shared = self.cri_view.shared();
             let id = if shared {
                 let answer = self.cri_view.id_after(name, after);
                 match tokio::time::timeout_at(deadline.into(), answer).await {
