@@ -11,6 +11,9 @@
 //!     a GC before every call so each proxied Create links every blob, and
 //!     adds the containerd floor (blobs linked + record, nothing else).
 //!     --baseline: a second imgbridge (another build) as one more variant.
+//!     --rebuild: every call names a fresh variant of NAME (a new config
+//!     and manifest over the same layers, written untimed before it), as a
+//!     rebuild does; k8s.io holds the layers.
 //! bench_replication isolated --containerd S --proxy P --image NAME [--rounds N] [--baseline P2]
 //!     Replication as a byte copy (isolated content) vs raw Content.Write of
 //!     fresh random blobs of the same sizes (concurrent and sequential).
@@ -63,7 +66,7 @@ impl Args {
         let mut i = 0;
         while i < rest.len() {
             let k = rest[i].trim_start_matches("--").to_string();
-            if k == "cold" {
+            if k == "cold" || k == "rebuild" {
                 flags.insert(k);
                 i += 1;
             } else {
@@ -362,6 +365,7 @@ async fn create(a: &Args, c: &Containerd) -> Res<()> {
     let (_, target) = source_image(c, a.req("image")?).await?;
     let rounds = a.num("rounds", 20)?;
     let cold = a.flags.contains("cold");
+    let rebuild = a.flags.contains("rebuild");
     let keep = a.all("keep");
     let tag = format!("{:x}", rand::random::<u32>());
     let labelled = labelled_blobs(c, SOURCE, &target).await?;
@@ -380,11 +384,24 @@ async fn create(a: &Args, c: &Containerd) -> Res<()> {
     if let Some(b) = &baseline {
         create_record(b, SOURCE, &format!("bench-warm-b-{tag}:x"), &target).await?;
     }
+    let base = match rebuild {
+        true => Some(Base::read(c, &target).await?),
+        false => None,
+    };
+    let mut leases = Vec::new();
     for r in 0..rounds {
         for v in round_order(&variants, r) {
             if cold {
                 clean(c, &[TARGET.to_string()], &keep).await?;
             }
+            let target = match &base {
+                Some(b) => {
+                    let (t, lease) = b.variant(c, &format!("{tag}-{r}-{v}")).await?;
+                    leases.push(lease);
+                    t
+                }
+                None => target.clone(),
+            };
             let s = Instant::now();
             match v {
                 0 => {
@@ -434,17 +451,19 @@ async fn create(a: &Args, c: &Containerd) -> Res<()> {
             c.delete_image(SOURCE, &img.name, false).await?;
         }
     }
+    for l in leases {
+        c.delete_lease(SOURCE, &l).await?;
+    }
     let (dm, dp, dmin) = stats(&t[0]);
     let (pm, pp, pmin) = stats(&t[1]);
-    let mode = if cold { "cold" } else { "warm" };
+    let (mode, k8s) = match (cold, rebuild) {
+        (true, _) => ("cold", "emptied + GC before each call"),
+        (false, true) => ("rebuild", "holds the layers; config and manifest are new"),
+        (false, false) => ("warm", "already holds the blobs"),
+    };
     println!(
-        "Images.Create, {} blobs, {rounds} rounds, {mode} (k8s.io {}):",
+        "Images.Create, {} blobs, {rounds} rounds, {mode} (k8s.io {k8s}):",
         labelled.len(),
-        if cold {
-            "emptied + GC before each call"
-        } else {
-            "already holds the blobs"
-        }
     );
     println!("  direct   : median {dm:8.2} ms  p90 {dp:8.2}  min {dmin:8.2}");
     println!(
@@ -697,40 +716,51 @@ async fn isolated(a: &Args, c: &Containerd) -> Res<()> {
 }
 
 /// B setup: `count` records in buildkit over `targets` variants of `image`.
-async fn records(a: &Args, c: &Containerd) -> Res<()> {
-    let (_, base) = source_image(c, a.req("image")?).await?;
-    let count = a.num("count", 500)?;
-    let k = a.num("targets", 1)?.max(1);
-    let prefix = a.get("prefix").unwrap_or("bench-b-").to_string();
-    if !tree::is_parent(&base.media_type)
-        || base.media_type.contains("index")
-        || base.media_type.contains("list")
-    {
-        return Err(format!("{} is not a single manifest", base.digest).into());
+/// A single-manifest image in buildkit whose variants share its layers.
+struct Base {
+    root: Descriptor,
+    manifest: serde_json::Value,
+    config: serde_json::Value,
+}
+
+impl Base {
+    async fn read(c: &Containerd, root: &Descriptor) -> Res<Base> {
+        if !tree::is_parent(&root.media_type)
+            || root.media_type.contains("index")
+            || root.media_type.contains("list")
+        {
+            return Err(format!("{} is not a single manifest", root.digest).into());
+        }
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &c.read_small(SOURCE, &root.digest, tree::MAX_MANIFEST)
+                .await?,
+        )?;
+        let cfg_digest = manifest["config"]["digest"]
+            .as_str()
+            .ok_or("no config")?
+            .to_string();
+        let config: serde_json::Value = serde_json::from_slice(
+            &c.read_small(SOURCE, &cfg_digest, tree::MAX_MANIFEST)
+                .await?,
+        )?;
+        Ok(Base {
+            root: root.clone(),
+            manifest,
+            config,
+        })
     }
-    let manifest: serde_json::Value = serde_json::from_slice(
-        &c.read_small(SOURCE, &base.digest, tree::MAX_MANIFEST)
-            .await?,
-    )?;
-    let cfg_digest = manifest["config"]["digest"]
-        .as_str()
-        .ok_or("no config")?
-        .to_string();
-    let config: serde_json::Value = serde_json::from_slice(
-        &c.read_small(SOURCE, &cfg_digest, tree::MAX_MANIFEST)
-            .await?,
-    )?;
-    let mut targets = vec![base.clone()];
-    for i in 1..k {
-        // A variant: one more env var in the config, same layers.
-        let mut cfg = config.clone();
-        let env = cfg["config"]["Env"].as_array().cloned().unwrap_or_default();
-        let mut env = env;
-        env.push(serde_json::Value::String(format!("BENCH_VARIANT={i}")));
+
+    /// A variant: one more env var in the config, same layers; written in
+    /// buildkit under a lease of its own (returned: delete it once a
+    /// record holds the variant).
+    async fn variant(&self, c: &Containerd, id: &str) -> Res<(Descriptor, String)> {
+        let mut cfg = self.config.clone();
+        let mut env = cfg["config"]["Env"].as_array().cloned().unwrap_or_default();
+        env.push(serde_json::Value::String(format!("BENCH_VARIANT={id}")));
         cfg["config"]["Env"] = serde_json::Value::Array(env);
         let cbytes = serde_json::to_vec(&cfg)?;
         let cd = format!("sha256:{}", hex::encode(Sha256::digest(&cbytes)));
-        let mut m = manifest.clone();
+        let mut m = self.manifest.clone();
         m["config"]["digest"] = cd.clone().into();
         m["config"]["size"] = (cbytes.len() as i64).into();
         let mbytes = serde_json::to_vec(&m)?;
@@ -752,11 +782,24 @@ async fn records(a: &Args, c: &Containerd) -> Res<()> {
             c.write_blob(SOURCE, Some(&lease), blob, data).await?;
         }
         let t = Descriptor {
-            media_type: base.media_type.clone(),
+            media_type: self.root.media_type.clone(),
             digest: md,
             size: mbytes.len() as i64,
             ..Default::default()
         };
+        Ok((t, lease))
+    }
+}
+
+async fn records(a: &Args, c: &Containerd) -> Res<()> {
+    let (_, base) = source_image(c, a.req("image")?).await?;
+    let count = a.num("count", 500)?;
+    let k = a.num("targets", 1)?.max(1);
+    let prefix = a.get("prefix").unwrap_or("bench-b-").to_string();
+    let b = Base::read(c, &base).await?;
+    let mut targets = vec![base.clone()];
+    for i in 1..k {
+        let (t, lease) = b.variant(c, &i.to_string()).await?;
         // The first record of each variant holds it before the lease goes.
         create_record(c, SOURCE, &format!("{prefix}{i:04}:latest"), &t).await?;
         c.delete_lease(SOURCE, &lease).await?;

@@ -104,7 +104,7 @@ impl Hook for ImageWrite {
         Box::pin(async move {
             let method = if self.create { CREATE } else { UPDATE };
             match image {
-                Ok(Some(img)) => self.r.on_write(method, &self.ns, &img.name).await,
+                Ok(Some(img)) => self.r.on_write(method, &self.ns, &img.name, img.target).await,
                 Ok(None) => Ok(()),
                 Err(e) => Err(tonic::Status::internal(format!(
                     "imgbridge could not decode the call to act on it (the upstream call succeeded): {e}"
@@ -187,7 +187,7 @@ impl Hook for TransferHook {
                 .collect();
             changed.sort();
             for name in changed {
-                self.r.on_write(TRANSFER, &self.ns, &name).await?;
+                self.r.on_write(TRANSFER, &self.ns, &name, None).await?;
             }
             // Blobs it fetched for images replicated earlier.
             self.r.source_written(&self.ns).await;

@@ -225,6 +225,9 @@ struct Walked {
     _lease: Lease,
     outcome: Outcome,
     configs: Vec<String>,
+    /// Blobs the source lacks, queued ([`pending`]) by each replication
+    /// that uses the walk, once it knows the tree is its image's.
+    missing: Vec<Child>,
     /// The image id CRI will report, when certain; the names are then
     /// written already marked and its id record next to them ([`cri_id`]).
     cri_id: Option<String>,
@@ -301,8 +304,8 @@ struct Visit {
 
 /// What a blob needs in the target.
 enum Write {
-    /// Not there (or not asked): link (or copy) it with these labels; if
-    /// it turns out to be there, they are checked then.
+    /// Not there: link (or copy) it with these labels; if another
+    /// replication linked it since, they are checked then.
     Link {
         size: i64,
         labels: HashMap<String, String>,
@@ -394,13 +397,25 @@ impl Replicator {
         name: &str,
         wait_cri: bool,
     ) -> Result<Outcome, Error> {
+        self.replicate_from(source, name, wait_cri, None).await
+    }
+
+    /// [`Self::replicate`], with the root the write's reply named: its tree
+    /// is walked while the source record is read again ([`Self::replicate_into`]).
+    async fn replicate_from(
+        &self,
+        source: &str,
+        name: &str,
+        wait_cri: bool,
+        hint: Option<&Descriptor>,
+    ) -> Result<Outcome, Error> {
         let mut total = Outcome::default();
         let mut first_err = None;
         for target in &self.s.targets {
             let started = Instant::now();
             let r = tokio::time::timeout(
                 self.s.timeout,
-                self.replicate_into(source, target, name, wait_cri),
+                self.replicate_into(source, target, name, wait_cri, hint),
             )
             .await;
             if let Some(obs) = self.observer() {
@@ -443,6 +458,7 @@ impl Replicator {
         target: &str,
         name: &str,
         wait_cri: bool,
+        hint: Option<&Descriptor>,
     ) -> Result<Outcome, Error> {
         if name.starts_with("sha256:") {
             return Ok(Outcome {
@@ -468,9 +484,24 @@ impl Replicator {
             target: target.into(),
             cause,
         };
+        let started = Instant::now();
         // The latest source state, not the reply that triggered us: under the
         // lock this makes racing writers converge on what containerd holds.
-        let Some(image) = self.c.get_image(source, name).await.map_err(err)? else {
+        // The tree the reply named is walked meanwhile (almost always the
+        // same; if not, that walk is dropped), and the target's record is
+        // read: all reads but the links, and the lock keeps our own writers
+        // out.
+        let (image, existing, early) = tokio::join!(
+            self.c.get_image(source, name),
+            self.c.get_image(target, &target_name),
+            async {
+                match hint {
+                    Some(h) => Some((h, self.walk_shared(source, target, name, h).await)),
+                    None => None,
+                }
+            }
+        );
+        let Some(image) = image.map_err(err)? else {
             tracing::debug!(
                 image = name,
                 source,
@@ -478,6 +509,7 @@ impl Replicator {
             );
             return Ok(Outcome::default());
         };
+        let existing = existing.map_err(err)?;
         let root = image.target.clone().ok_or_else(|| Error::NoTarget {
             image: name.into(),
             source_ns: source.into(),
@@ -486,17 +518,19 @@ impl Replicator {
         if self.s.digest_refs && parsed.digest.is_none() {
             names.push(parsed.with_digest(&root.digest));
         }
-        let started = Instant::now();
-        // The target's current record is read while the tree is walked:
-        // both are reads, and the lock keeps our own writers out.
-        let (walk, existing) = tokio::join!(
-            self.walk_shared(source, target, &image.name, &root),
-            self.c.get_image(target, &names[0])
-        );
-        let ((tree, shared), existing) = match walk.and_then(|w| existing.map(|e| (w, e))) {
-            Ok(v) => v,
-            Err(e) => return Err(err(e)),
+        let walk = match early {
+            Some((h, w)) if h.digest == root.digest => w,
+            _ => self.walk_shared(source, target, &image.name, &root).await,
         };
+        let (tree, shared) = walk.map_err(err)?;
+        for child in &tree.missing {
+            self.pending.add(pending::Item {
+                source: source.into(),
+                target: target.into(),
+                image: image.name.clone(),
+                child: child.clone(),
+            });
+        }
         let mut outcome = match shared {
             // Another replication of the same tree wrote (and counted) it.
             true => Outcome::default(),
@@ -612,7 +646,7 @@ impl Replicator {
             return Ok((w, true));
         }
         let lease = Lease::new(&self.spares, target);
-        let (outcome, configs) = self.walk(source, target, image, root, &lease).await?;
+        let (outcome, configs, missing) = self.walk(source, target, image, root, &lease).await?;
         let cri_id = match target == CRI_NAMESPACE && self.has_cri().await {
             true => self.cri_id(source, root).await,
             false => None,
@@ -621,6 +655,7 @@ impl Replicator {
             _lease: lease,
             outcome,
             configs,
+            missing,
             cri_id,
             id_record: OnceCell::new(),
         });
@@ -631,8 +666,8 @@ impl Replicator {
     }
 
     /// Walks the tree from `root`, making every present blob visible in
-    /// `target` and queueing missing ones. Returns the outcome and the config
-    /// digests seen (the image ids CRI may report).
+    /// `target`. Returns the outcome, the config digests seen (the image
+    /// ids CRI may report) and the blobs the source lacks.
     ///
     /// Inspections (reads) and writes share one bounded set of futures: a
     /// blob's link starts as soon as it is inspected, and its children are
@@ -645,26 +680,24 @@ impl Replicator {
         image: &str,
         root: &Descriptor,
         lease: &Lease,
-    ) -> Result<(Outcome, Vec<String>), ctrd::Error> {
+    ) -> Result<(Outcome, Vec<String>, Vec<Child>), ctrd::Error> {
         let mut outcome = Outcome::default();
         let mut configs = Vec::new();
-        // (blob, probe the target first?): children of a blob the target
-        // lacks are most likely missing too, so they are linked straight
-        // away; a link of a present blob just answers ALREADY_EXISTS.
+        let mut missing = Vec::new();
         let root = Child {
             media_type: root.media_type.clone(),
             digest: root.digest.clone(),
             size: root.size,
         };
-        let mut queue = vec![(root, true)];
+        let mut queue = vec![root];
         let mut seen = std::collections::HashSet::new();
         let mut running: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
         loop {
             while running.len() < PARALLEL {
-                let Some((c, probe)) = queue.pop() else { break };
+                let Some(c) = queue.pop() else { break };
                 if seen.insert(c.digest.clone()) {
                     running.push(Box::pin(async move {
-                        let r = self.inspect(source, target, image, &c, probe).await;
+                        let r = self.inspect(source, target, image, &c).await;
                         Step::Inspected(c, r)
                     }));
                 }
@@ -677,16 +710,10 @@ impl Replicator {
                     let v = r?;
                     if v.pending {
                         outcome.pending += 1;
-                        self.pending.add(pending::Item {
-                            source: source.into(),
-                            target: target.into(),
-                            image: image.into(),
-                            child: child.clone(),
-                        });
+                        missing.push(child.clone());
                     }
                     configs.extend(v.config);
-                    let probe = !matches!(v.write, Some(Write::Link { .. }));
-                    queue.extend(v.children.into_iter().map(|c| (c, probe)));
+                    queue.extend(v.children);
                     if let Some(w) = v.write {
                         running.push(Box::pin(async move {
                             Step::Wrote(self.apply(source, target, &child, w, lease).await)
@@ -696,30 +723,25 @@ impl Replicator {
                 Step::Wrote(r) => outcome.writes += r?,
             }
         }
-        Ok((outcome, configs))
+        Ok((outcome, configs, missing))
     }
 
     /// One blob, read-only: present in source? its labels and children, and
-    /// what (if anything) the target needs (not asked unless `probe`). The
-    /// reads run at once.
+    /// what (if anything) the target needs. The reads run at once: asking
+    /// the target costs no round trip, and a blob found there (the base
+    /// layers of a rebuild) needs no write at all, where a link would be a
+    /// bolt transaction answering ALREADY_EXISTS.
     async fn inspect(
         &self,
         source: &str,
         target: &str,
         image: &str,
         c: &Child,
-        probe: bool,
     ) -> Result<Visit, ctrd::Error> {
         let parent = tree::is_parent(&c.media_type);
         let (info, in_target, node) = tokio::join!(
             self.c.content_info(source, &c.digest),
-            async {
-                if probe {
-                    self.c.content_info(target, &c.digest).await.map(Some)
-                } else {
-                    Ok(None)
-                }
-            },
+            self.c.content_info(target, &c.digest),
             async {
                 if parent {
                     Some(self.node(source, &c.digest).await)
@@ -752,13 +774,13 @@ impl Replicator {
         }
         let mut v = Visit::default();
         match in_target? {
-            Some(None) | None => {
+            None => {
                 v.write = Some(Write::Link {
                     size: info.size,
                     labels,
                 })
             }
-            Some(Some(t)) => {
+            Some(t) => {
                 let missing = missing_labels(labels, &t);
                 if !missing.is_empty() {
                     v.write = Some(Write::Relabel(missing));
@@ -1027,12 +1049,13 @@ impl Replicator {
     }
 
     /// The proxy path: replicate, then apply `on_failure`. An error here is
-    /// what the caller receives.
+    /// what the caller receives. `root`: the tree the write's reply named.
     pub async fn on_write(
         self: &Arc<Self>,
         method: &str,
         source: &str,
         name: &str,
+        root: Option<Descriptor>,
     ) -> Result<(), tonic::Status> {
         use tracing::Instrument;
         let me = self.clone();
@@ -1041,8 +1064,8 @@ impl Replicator {
         // On the replicator's runtime, not the connection's; detached, so a
         // caller that gives up (any caller, not only the splice, which runs
         // hooks as tasks too) never leaves a replica half done.
-        let task =
-            async move { me.replicate(&src, &n, true).await }.instrument(span.span().clone());
+        let task = async move { me.replicate_from(&src, &n, true, root.as_ref()).await }
+            .instrument(span.span().clone());
         let res = match &self.rt {
             Some(rt) => rt.spawn(task),
             None => tokio::spawn(task),
