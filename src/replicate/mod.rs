@@ -730,7 +730,11 @@ impl Replicator {
     /// what (if anything) the target needs. The reads run at once: asking
     /// the target costs no round trip, and a blob found there (the base
     /// layers of a rebuild) needs no write at all, where a link would be a
-    /// bolt transaction answering ALREADY_EXISTS.
+    /// bolt transaction answering ALREADY_EXISTS. Such a blob is not in our
+    /// lease, but its parent is (linked with its `gc.ref` labels at the
+    /// same time as this probe), so from then on the lease keeps it; only a
+    /// GC finishing in between could take it, and a reconcile pass links
+    /// it again.
     async fn inspect(
         &self,
         source: &str,
