@@ -197,6 +197,40 @@ async fn watch_dir_unpin_owed_across_restarts_is_paid() {
     c.assert_still_running(pid);
 }
 
+/// imgbridge killed between a pin and the state save that records it: the
+/// state knows the file (written before anything is pinned) but not its
+/// image. Once the file is gone, the pin is still paid: the image's label
+/// names the file. (Made certain here by taking the image out of the saved
+/// state; in the test above it is a race.)
+#[tokio::test]
+async fn watch_dir_unpin_of_a_pin_the_state_lost_is_paid() {
+    let c = Scenario::cri().containerd();
+    let w = Watched::new("watched-lost:1");
+    let mut p = w.serve(&c);
+    w.drop_in();
+    let name = w.img.normalized();
+    wait_pin(c.socket(), &name, true).await;
+    let state = w.dir.path().join("state.json");
+    let saved = poll_async(DEADLINE, || async {
+        let s = std::fs::read_to_string(&state).ok()?;
+        s.contains(&name).then_some(())
+    })
+    .await;
+    assert!(saved.is_some(), "the state never listed {name}");
+    p.kill9();
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    let files = doc["files"].as_object_mut().expect("files");
+    assert_eq!(files.len(), 1, "{files:?}");
+    for f in files.values_mut() {
+        f["images"] = serde_json::json!({});
+    }
+    std::fs::write(&state, serde_json::to_vec(&doc).unwrap()).unwrap();
+    std::fs::remove_file(w.file()).unwrap();
+    let _p = w.serve(&c);
+    wait_pin(c.socket(), &name, false).await;
+}
+
 /// A watched archive: imported and pinned, unpinned when deleted, pinned
 /// again by `imgbridge import` of the same file; containerd stays up.
 #[tokio::test]

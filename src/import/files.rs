@@ -42,6 +42,13 @@ impl Importer {
         }
         let hash = pin::path_hash(&path);
         let source = self.cfg.pin.then_some(hash.as_str());
+        if source.is_some() {
+            let begun = prev.clone().unwrap_or_else(|| {
+                FileState::new(FileKind::Archive, hash.clone(), ns.clone(), stamp)
+            });
+            self.record(path.clone(), begun.importing());
+            self.save_state();
+        }
         let opts = ReadOptions {
             limits: Limits {
                 max_decompressed: self.cfg.max_decompressed_bytes,
@@ -109,6 +116,12 @@ impl Importer {
                 }
             }
             Err(super::ImportError::Io { source, .. }) if open::is_not_regular(&source) => {
+                // Not read, nothing pinned: what was known stands.
+                match prev {
+                    Some(prev) => self.record(path.clone(), prev),
+                    None if self.state.files.remove(&path).is_some() => self.state_dirty = true,
+                    None => {}
+                }
                 self.refuse(&path, stamp, &source);
             }
             Err(e) if e.is_transient() => {
@@ -382,8 +395,20 @@ impl Importer {
                 continue;
             };
             self.state_dirty = true;
-            let names: Vec<String> = f.images.keys().cloned().collect();
-            if !self.unpin_names(&k, &f, &names).await {
+            let mut names: Vec<String> = f.images.keys().cloned().collect();
+            // Pins the state does not list (imgbridge stopped between a
+            // pin and the save that records it): their label names the file.
+            let swept = match pin::pinned_by(&self.c, &f.namespace, &f.hash).await {
+                Ok(more) => {
+                    names.extend(more.into_iter().filter(|n| !f.images.contains_key(n)));
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(file = %esc(k.display()), error = %esc(&e), "cannot list the images the file pinned");
+                    false
+                }
+            };
+            if !(self.unpin_names(&k, &f, &names).await && swept) {
                 // containerd unreachable: keep the record and try again.
                 self.state.files.insert(k.clone(), f);
                 let delay = RETRY_BASE

@@ -213,6 +213,16 @@ pub async fn unpin(
     })
 }
 
+/// The images in `ns` whose import label lists `source`.
+pub async fn pinned_by(c: &Containerd, ns: &str, source: &str) -> Result<Vec<String>> {
+    Ok(c.list_images(ns, Vec::new())
+        .await?
+        .into_iter()
+        .filter(|img| sources(img).is_some_and(|s| s.contains(source)))
+        .map(|img| img.name)
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 const VERSION: u32 = 1;
 
+/// The modification time [`FileState::importing`] records (no file has it).
+const IMPORTING: i128 = i128::MIN;
+
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("writing state file {path}: {source}")]
@@ -94,6 +97,18 @@ impl FileState {
             sha256: None,
             images: BTreeMap::new(),
             error: None,
+        }
+    }
+
+    /// The same file with an import of it begun: written (and saved)
+    /// before the import pins anything, so a crash before its result is
+    /// recorded still leaves the file and the hash its pins carry in the
+    /// state. Its stamp is one no file has, so a restart imports the file
+    /// again if it is still there, and unpins its images if it is gone.
+    pub fn importing(self) -> FileState {
+        FileState {
+            mtime_ns: IMPORTING,
+            ..self
         }
     }
 
