@@ -715,7 +715,6 @@ async fn isolated(a: &Args, c: &Containerd) -> Res<()> {
     Ok(())
 }
 
-/// B setup: `count` records in buildkit over `targets` variants of `image`.
 /// A single-manifest image in buildkit whose variants share its layers.
 struct Base {
     root: Descriptor,
@@ -791,6 +790,7 @@ impl Base {
     }
 }
 
+/// B setup: `count` records in buildkit over `targets` variants of `image`.
 async fn records(a: &Args, c: &Containerd) -> Res<()> {
     let (_, base) = source_image(c, a.req("image")?).await?;
     let count = a.num("count", 500)?;

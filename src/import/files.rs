@@ -1,7 +1,7 @@
 //! File handling: what happens to a due path — an archive imported, a
 //! pull list (re)started, a removed file's pins dropped.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -11,6 +11,7 @@ use super::archive::{Limits, ReadOptions};
 use super::pull::{self, PullEvent};
 use super::state::{FileKind, FileState, Stamp};
 use super::{esc, open, pin, write, Count, Importer, ListTask, Pending, RETRY_BASE, RETRY_MAX};
+use crate::containerd::Image;
 
 /// Invalid or refused lines of one list logged one by one; the rest are counted.
 const MAX_LOGGED: usize = 10;
@@ -387,6 +388,8 @@ impl Importer {
     /// `path` (a file, or a directory and everything recorded below it) is
     /// gone: unpin what only it provided.
     pub(super) async fn removed(&mut self, path: &Path, p: Pending) {
+        // Each namespace's images, listed once for all the files removed.
+        let mut listed: HashMap<String, Vec<Image>> = HashMap::new();
         for k in self.state.under(path) {
             if let Some(t) = self.lists.remove(&k) {
                 t.cancel.cancel();
@@ -398,15 +401,26 @@ impl Importer {
             let mut names: Vec<String> = f.images.keys().cloned().collect();
             // Pins the state does not list (imgbridge stopped between a
             // pin and the save that records it): their label names the file.
-            let swept = match pin::pinned_by(&self.c, &f.namespace, &f.hash).await {
-                Ok(more) => {
-                    names.extend(more.into_iter().filter(|n| !f.images.contains_key(n)));
+            if !listed.contains_key(&f.namespace) {
+                match self.c.list_images(&f.namespace, Vec::new()).await {
+                    Ok(images) => {
+                        listed.insert(f.namespace.clone(), images);
+                    }
+                    Err(e) => {
+                        tracing::warn!(file = %esc(k.display()), error = %esc(&e), "cannot list the images the file pinned");
+                    }
+                }
+            }
+            let swept = match listed.get(&f.namespace) {
+                Some(images) => {
+                    let more = pin::pinned_by(images, &f.hash);
+                    names.extend(
+                        more.filter(|n| !f.images.contains_key(*n))
+                            .map(str::to_owned),
+                    );
                     true
                 }
-                Err(e) => {
-                    tracing::warn!(file = %esc(k.display()), error = %esc(&e), "cannot list the images the file pinned");
-                    false
-                }
+                None => false,
             };
             if !(self.unpin_names(&k, &f, &names).await && swept) {
                 // containerd unreachable: keep the record and try again.

@@ -213,19 +213,37 @@ pub async fn unpin(
     })
 }
 
-/// The images in `ns` whose import label lists `source`.
-pub async fn pinned_by(c: &Containerd, ns: &str, source: &str) -> Result<Vec<String>> {
-    Ok(c.list_images(ns, Vec::new())
-        .await?
-        .into_iter()
-        .filter(|img| sources(img).is_some_and(|s| s.contains(source)))
-        .map(|img| img.name)
-        .collect())
+/// The names among `images` whose import label lists `source`.
+pub fn pinned_by<'a>(images: &'a [Image], source: &'a str) -> impl Iterator<Item = &'a str> {
+    images
+        .iter()
+        .filter(move |img| sources(img).is_some_and(|s| s.contains(source)))
+        .map(|img| img.name.as_str())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pinned_by_finds_the_source_in_any_position() {
+        let img = |name: &str, label: Option<&str>| Image {
+            name: name.into(),
+            labels: label
+                .map(|l| HashMap::from([(IMPORT.to_string(), l.to_string())]))
+                .unwrap_or_default(),
+            ..Default::default()
+        };
+        let images = [
+            img("a", Some("aaa")),
+            img("b", Some("bbb,ccc")),
+            img("c", Some("ccc")),
+            img("d", None),
+            img("e", Some("cccc")),
+        ];
+        assert_eq!(pinned_by(&images, "ccc").collect::<Vec<_>>(), ["b", "c"]);
+        assert_eq!(pinned_by(&images, "zzz").count(), 0);
+    }
 
     fn img(labels: &[(&str, &str)]) -> Image {
         Image {
