@@ -388,8 +388,9 @@ impl Importer {
     /// `path` (a file, or a directory and everything recorded below it) is
     /// gone: unpin what only it provided.
     pub(super) async fn removed(&mut self, path: &Path, p: Pending) {
-        // Each namespace's images, listed once for all the files removed.
-        let mut listed: HashMap<String, Vec<Image>> = HashMap::new();
+        // Each namespace's images, listed once for all the files removed
+        // (`None`: the listing failed; not asked again in this removal).
+        let mut listed: HashMap<String, Option<Vec<Image>>> = HashMap::new();
         for k in self.state.under(path) {
             if let Some(t) = self.lists.remove(&k) {
                 t.cancel.cancel();
@@ -402,16 +403,13 @@ impl Importer {
             // Pins the state does not list (imgbridge stopped between a
             // pin and the save that records it): their label names the file.
             if !listed.contains_key(&f.namespace) {
-                match self.c.list_images(&f.namespace, Vec::new()).await {
-                    Ok(images) => {
-                        listed.insert(f.namespace.clone(), images);
-                    }
-                    Err(e) => {
-                        tracing::warn!(file = %esc(k.display()), error = %esc(&e), "cannot list the images the file pinned");
-                    }
+                let images = self.c.list_images(&f.namespace, Vec::new()).await;
+                if let Err(e) = &images {
+                    tracing::warn!(file = %esc(k.display()), error = %esc(e), "cannot list the images the file pinned");
                 }
+                listed.insert(f.namespace.clone(), images.ok());
             }
-            let swept = match listed.get(&f.namespace) {
+            let swept = match listed.get(&f.namespace).and_then(Option::as_ref) {
                 Some(images) => {
                     let more = pin::pinned_by(images, &f.hash);
                     names.extend(
