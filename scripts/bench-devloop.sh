@@ -57,7 +57,12 @@
 #                              "f": the same through a bare byte relay
 #                              (examples/floor_relay.rs): F-B is any hop's cost;
 #                              "g": A through another imgbridge build (needs
-#                              IMGBRIDGE_BASELINE): A-G is what a change did
+#                              IMGBRIDGE_BASELINE): A-G is what a change did;
+#                              "h": B's build through an imgbridge with
+#                              `confirm_direct_writes` (each Create held until
+#                              CRI resolves it, nothing replicated): the floor
+#                              of any proxy that keeps the contract, since B's
+#                              own record is the cheapest k8s.io record there is
 #        BENCH_DIR=/tmp        parent of the temp dir (containerd's root; /dev/shm
 #                              takes the disk's fsyncs out of the figures)
 #        BENCH_POD_TIMEOUT=30  seconds for a container to print its line
@@ -107,7 +112,7 @@ log() { printf '[devloop] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "needs root (it runs a private containerd with CRI)"
-for v in "${VARIANTS[@]}"; do [[ $v == [abcdefg] ]] || die "unknown variant '$v' (a b c d e f g)"; done
+for v in "${VARIANTS[@]}"; do [[ $v == [abcdefgh] ]] || die "unknown variant '$v' (a b c d e f g h)"; done
 missing=()
 for b in docker-registry umoci skopeo; do command -v "$b" >/dev/null || missing+=("$b"); done
 [ -x /bin/busybox ] || missing+=(busybox-static)
@@ -399,7 +404,7 @@ for ((i = 0; i < 200; i++)); do "${CRICTL[@]}" inspecti "$PAUSE" >/dev/null 2>&1
 "${CRICTL[@]}" inspecti "$PAUSE" >/dev/null || die "CRI does not resolve $PAUSE"
 
 # ---------------------------------------------------------------- imgbridge (A)
-# start_imgbridge DIR BINARY
+# start_imgbridge DIR BINARY [TOML]: TOML is appended to its config
 start_imgbridge() {
   local d=$1
   mkdir -p "$d"
@@ -413,6 +418,7 @@ start_imgbridge() {
   # Its metrics on a socket of the run's own: the calls each build makes
   # through it (what the hop costs scales with them).
   printf '[metrics]\nlisten = "%s"\n' "$d/metrics.sock" >>"$d/config.toml"
+  [ -z "${3:-}" ] || printf '%s\n' "$3" >>"$d/config.toml"
   "$2" serve --config "$d/config.toml" --listen "$d/imgbridge.sock" \
     --upstream "$C" >"$d/imgbridge.log" 2>&1 &
   pids+=($!)
@@ -420,6 +426,7 @@ start_imgbridge() {
 }
 if want a || want e; then start_imgbridge "$T/imgbridge" "$IB"; fi
 if want g; then start_imgbridge "$T/baseline" "$BASE"; fi
+if want h; then start_imgbridge "$T/confirm" "$IB" $'[replication]\nconfirm_direct_writes = true'; fi
 
 # ---------------------------------------------------------------- buildkitds
 # start_buildkitd NAME CONTAINERD_SOCK NAMESPACE
@@ -466,6 +473,7 @@ if want f; then
 fi
 want b && start_buildkitd b "$C" k8s.io
 want g && start_buildkitd g "$T/baseline/imgbridge.sock" buildkit
+want h && start_buildkitd h "$T/confirm/imgbridge.sock" k8s.io
 { want c || want d; } && start_buildkitd c "$C" "$C_NS"
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
 
@@ -682,6 +690,7 @@ name_of() {
     e) echo "E = B through imgbridge's socket (hop only)" ;;
     f) echo "F = B through a bare byte relay (any hop)" ;;
     g) echo "G = A through IMGBRIDGE_BASELINE" ;;
+    h) echo "H = B through imgbridge, held for CRI (floor)" ;;
   esac
 }
 short_of() {
@@ -693,6 +702,7 @@ short_of() {
     e) echo "E: B through imgbridge's socket (\`k8s.io\` is only relayed)" ;;
     f) echo "F: B through a bare byte relay (\`examples/floor_relay.rs\`)" ;;
     g) echo "G: A through the baseline build (\`IMGBRIDGE_BASELINE\`)" ;;
+    h) echo "H: B through imgbridge, each write held until CRI resolves it (the contract's floor)" ;;
   esac
 }
 mmm() { read -r m lo hi <<<"$1"; if [ "$m" = - ]; then echo "-"; else echo "$m ($lo-$hi)"; fi; }
@@ -732,6 +742,19 @@ if want f && want b; then
     echo "   A / F build wall time (imgbridge against that floor): ${x}x (95% interval $xcl-$xch), ${d} ms per build"
   fi
 fi
+if want h && want b; then
+  # The floor of the contract: B's own record (no replication), the hop,
+  # and the wait for CRI before the reply. No proxy that confirms through
+  # CRI before replying can build faster than this.
+  read -r x xlo xhi xn xcl xch <<<"$(ratio h b 4)"
+  read -r d _ _ _ <<<"$(diff_ms h b 4)"
+  echo "   H / B build wall time (the contract's floor: hop + CRI confirmation, nothing replicated): ${x}x (median of $xn per-round ratios, 95% interval $xcl-$xch), ${d} ms per build; goal <= 1.05x within reach of any such proxy: $(verdict "$xcl" "$xch" 1.05 | sed 's/^met$/yes/; s/^MISSED$/no (the floor itself is over it)/')"
+  if want a; then
+    read -r x xlo xhi xn xcl xch <<<"$(ratio a h 4)"
+    read -r d _ _ _ <<<"$(diff_ms a h 4)"
+    echo "   A / H build wall time (replication's cost over that floor): ${x}x (95% interval $xcl-$xch), ${d} ms per build"
+  fi
+fi
 held=""
 if want e && want b; then
   read -r x xlo xhi _ <<<"$(diff_ms e b 4)"
@@ -763,6 +786,10 @@ held_of() {
 if want a; then
   held=$(held_of "$T/imgbridge/imgbridge.log" a)
   [ -n "$held" ] && echo "   imgbridge's held Images.Create/Update (replication + CRI confirmation), from its log: median $held"
+fi
+if want h; then
+  hheld=$(held_of "$T/confirm/imgbridge.log" h)
+  [ -n "$hheld" ] && echo "   H's held Images.Create/Update (CRI confirmation only), from its log: median $hheld"
 fi
 if want g; then
   gheld=$(held_of "$T/baseline/imgbridge.log" g)

@@ -79,6 +79,9 @@ pub struct Replication {
     pub pin: bool,
     /// Also write `name@sha256:<digest>` records (for spegel / embedded mirrors).
     pub digest_refs: bool,
+    /// Image writes made straight into `k8s.io` through imgbridge also
+    /// return only once CRI resolves them (nothing is replicated).
+    pub confirm_direct_writes: bool,
     pub delete_policy: DeletePolicy,
     pub on_failure: OnFailure,
     /// Upper bound for one replication into one target.
@@ -191,6 +194,7 @@ impl Default for Replication {
             target_namespaces: vec![k8s_ns()],
             pin: false,
             digest_refs: true,
+            confirm_direct_writes: false,
             delete_policy: DeletePolicy::Unpin,
             on_failure: OnFailure::Fail,
             timeout: Duration::from_secs(120),

@@ -766,6 +766,56 @@ async fn digest_refs_resolve_in_cri_when_the_write_returns() {
     );
 }
 
+/// `confirm_direct_writes`: a tool writing straight into `k8s.io` through
+/// imgbridge gets CRI's read-your-writes too. 50 names written at once
+/// (CRI handles their events one at a time, so without the wait the last
+/// lag the first by tens of milliseconds), each checked once, the moment
+/// its write returns. Nothing is replicated and no source image appears.
+#[tokio::test]
+async fn direct_writes_into_k8s_io_resolve_in_cri_when_confirmed() {
+    let (c, p) = Scenario::cri()
+        .config("[replication]\nconfirm_direct_writes = true\n")
+        .start();
+    let img = TestImage::hello("direct:1");
+    ctr_import(c.socket(), K8S, &img.docker_archive());
+    let target = image_target(c.socket(), K8S, &img.normalized()).await;
+    let checks = (0..50).map(|i| {
+        let (c, p, target) = (&c, &p, &target);
+        async move {
+            // Tools writing into `k8s.io` name images in full, as CRI
+            // and kubelet do.
+            let name = format!("docker.io/library/direct-{i}:1");
+            create_image(p.socket(), K8S, &name, target).await;
+            cri_image_status(c.socket(), &name)
+                .await
+                .is_none()
+                .then_some(i)
+        }
+    });
+    let misses: Vec<usize> = futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert!(
+        misses.is_empty(),
+        "CRI did not resolve a direct write on return for {} of 50: {misses:?}\n{}",
+        misses.len(),
+        p.log_tail()
+    );
+    assert!(
+        !p.log().contains("did not resolve it in time"),
+        "a write gave up waiting for CRI:\n{}",
+        p.log_tail()
+    );
+    assert!(
+        get_image(c.socket(), SRC, "docker.io/library/direct-0:1")
+            .await
+            .is_none(),
+        "a direct write was copied into a source namespace"
+    );
+}
+
 #[tokio::test]
 async fn two_hundred_back_to_back_tags_and_imports_zero_cri_misses() {
     let (c, p) = Scenario::cri().start();

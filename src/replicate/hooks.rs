@@ -45,12 +45,20 @@ impl Interceptor for ImageHooks {
         if !matches!(&*call.method, CREATE | UPDATE | DELETE | TRANSFER) {
             return None;
         }
-        let ns = call
-            .namespace
-            .as_deref()
-            .filter(|ns| self.r.is_source(ns))?
-            .to_string();
+        let ns = call.namespace.as_deref()?;
         let r = self.r.clone();
+        if !self.r.is_source(ns) {
+            let direct = self.r.settings().confirm_direct
+                && ns == super::CRI_NAMESPACE
+                && matches!(&*call.method, CREATE | UPDATE);
+            return direct.then(|| {
+                Box::new(DirectWrite {
+                    r,
+                    create: &*call.method == CREATE,
+                }) as Box<dyn Hook>
+            });
+        }
+        let ns = ns.to_string();
         match &*call.method {
             CREATE | UPDATE => Some(Box::new(ImageWrite {
                 r,
@@ -120,6 +128,30 @@ impl Hook for ImageWrite {
         };
         let (r, ns) = (self.r, self.ns);
         Some(Box::pin(async move { r.on_abandoned(&ns, &name) }))
+    }
+}
+
+/// Images Create / Update straight into `k8s.io` (`confirm_direct_writes`):
+/// the reply waits until CRI resolves the name. A reply that does not
+/// decode is passed on as it is: this write is the client's, not ours.
+struct DirectWrite {
+    r: Arc<Replicator>,
+    create: bool,
+}
+
+impl Hook for DirectWrite {
+    fn after(self: Box<Self>, _request: Bytes, response: Bytes) -> HookFuture<'static> {
+        let image = match self.create {
+            true => CreateImageResponse::decode(response).map(|r| r.image),
+            false => UpdateImageResponse::decode(response).map(|r| r.image),
+        };
+        Box::pin(async move {
+            if let Ok(Some(img)) = image {
+                let method = if self.create { CREATE } else { UPDATE };
+                self.r.on_direct_write(method, &img.name, img.target).await;
+            }
+            Ok(())
+        })
     }
 }
 

@@ -88,6 +88,7 @@ pub struct Settings {
     pub targets: Vec<String>,
     pub pin: bool,
     pub digest_refs: bool,
+    pub confirm_direct: bool,
     pub delete_policy: DeletePolicy,
     pub on_failure: OnFailure,
     pub timeout: Duration,
@@ -103,6 +104,7 @@ impl From<&config::Replication> for Settings {
             targets: r.target_namespaces.clone(),
             pin: r.pin,
             digest_refs: r.digest_refs,
+            confirm_direct: r.confirm_direct_writes,
             delete_policy: r.delete_policy,
             on_failure: r.on_failure,
             timeout: r.timeout,
@@ -1097,6 +1099,51 @@ impl Replicator {
                 }
             },
         }
+    }
+
+    /// A write straight into `k8s.io` (`confirm_direct_writes`): nothing
+    /// to replicate, only CRI's view to wait for, as for a replica. It
+    /// never fails the call: containerd has carried it out.
+    pub async fn on_direct_write(
+        self: &Arc<Self>,
+        method: &str,
+        name: &str,
+        root: Option<Descriptor>,
+    ) {
+        use tracing::Instrument;
+        let Some(root) = root else { return };
+        // CRI resolves a record by its full name only (kubelet asks for
+        // `docker.io/library/app:1`, never `app:1`): a record named
+        // otherwise (`sha256:…`, `app:1`) is never resolved, so not waited
+        // for.
+        if Reference::parse(name)
+            .map(|r| r.to_string())
+            .ok()
+            .as_deref()
+            != Some(name)
+        {
+            return;
+        }
+        let me = self.clone();
+        let n = name.to_string();
+        let span = span::InterceptSpan::new(method, CRI_NAMESPACE, name);
+        let task = async move {
+            if !me.has_cri().await {
+                return;
+            }
+            let Some(id) = me.cri_id(CRI_NAMESPACE, &root).await else {
+                return;
+            };
+            let (polls, _) = me.wait_cri(CRI_NAMESPACE, &n, &[id]).await;
+            tracing::debug!(cri_polls = polls, "direct write confirmed by CRI");
+        }
+        .instrument(span.span().clone());
+        let _ = match &self.rt {
+            Some(rt) => rt.spawn(task),
+            None => tokio::spawn(task),
+        }
+        .await;
+        span.finish(&Ok::<(), std::convert::Infallible>(()));
     }
 
     /// A client reset its write of `name` after containerd got it
