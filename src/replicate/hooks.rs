@@ -9,7 +9,7 @@ use containerd_client::services::v1::TransferRequest;
 use prost::Message;
 
 use containerd_client::services::v1::{
-    CreateImageRequest, CreateImageResponse, DeleteImageRequest, UpdateImageRequest,
+    CreateImageRequest, CreateImageResponse, DeleteImageRequest, Image, UpdateImageRequest,
     UpdateImageResponse,
 };
 
@@ -38,6 +38,29 @@ impl ImageHooks {
     }
 }
 
+impl ImageHooks {
+    /// A write straight into `k8s.io`, held only with `confirm_direct_writes`.
+    fn direct(&self, call: &CallInfo, ns: &str) -> Option<Box<dyn Hook>> {
+        let held = self.r.settings().confirm_direct
+            && ns == super::CRI_NAMESPACE
+            && matches!(&*call.method, CREATE | UPDATE);
+        held.then(|| {
+            Box::new(DirectWrite {
+                r: self.r.clone(),
+                create: &*call.method == CREATE,
+            }) as Box<dyn Hook>
+        })
+    }
+}
+
+/// The image a Create (`create`) or Update reply carries.
+fn written(create: bool, response: Bytes) -> Result<Option<Image>, prost::DecodeError> {
+    match create {
+        true => CreateImageResponse::decode(response).map(|r| r.image),
+        false => UpdateImageResponse::decode(response).map(|r| r.image),
+    }
+}
+
 impl Interceptor for ImageHooks {
     fn select(&self, call: &CallInfo) -> Option<Box<dyn Hook>> {
         // Every call comes through here: the method test first, allocation
@@ -46,19 +69,10 @@ impl Interceptor for ImageHooks {
             return None;
         }
         let ns = call.namespace.as_deref()?;
-        let r = self.r.clone();
         if !self.r.is_source(ns) {
-            let direct = self.r.settings().confirm_direct
-                && ns == super::CRI_NAMESPACE
-                && matches!(&*call.method, CREATE | UPDATE);
-            return direct.then(|| {
-                Box::new(DirectWrite {
-                    r,
-                    create: &*call.method == CREATE,
-                }) as Box<dyn Hook>
-            });
+            return self.direct(call, ns);
         }
-        let ns = ns.to_string();
+        let (r, ns) = (self.r.clone(), ns.to_string());
         match &*call.method {
             CREATE | UPDATE => Some(Box::new(ImageWrite {
                 r,
@@ -105,10 +119,7 @@ struct ImageWrite {
 
 impl Hook for ImageWrite {
     fn after(self: Box<Self>, _request: Bytes, response: Bytes) -> HookFuture<'static> {
-        let image = match self.create {
-            true => CreateImageResponse::decode(response).map(|r| r.image),
-            false => UpdateImageResponse::decode(response).map(|r| r.image),
-        };
+        let image = written(self.create, response);
         Box::pin(async move {
             let method = if self.create { CREATE } else { UPDATE };
             match image {
@@ -141,10 +152,7 @@ struct DirectWrite {
 
 impl Hook for DirectWrite {
     fn after(self: Box<Self>, _request: Bytes, response: Bytes) -> HookFuture<'static> {
-        let image = match self.create {
-            true => CreateImageResponse::decode(response).map(|r| r.image),
-            false => UpdateImageResponse::decode(response).map(|r| r.image),
-        };
+        let image = written(self.create, response);
         Box::pin(async move {
             if let Ok(Some(img)) = image {
                 let method = if self.create { CREATE } else { UPDATE };

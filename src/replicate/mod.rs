@@ -1044,7 +1044,7 @@ impl Replicator {
                 // The replica is written: failing the client's write now
                 // would report a change containerd made as not made.
                 tracing::warn!(image = name, target, expected = ?configs, waited = ?self.s.cri_wait,
-                    "the replica is written but CRI ImageStatus did not resolve it in time; kubelet sees it once CRI catches up (is containerd overloaded?)");
+                    "the image is written into k8s.io but CRI ImageStatus did not resolve it in time; kubelet sees it once CRI catches up (is containerd overloaded, or a blob of it still missing?)");
                 return (polls, false);
             }
             if !shared {
@@ -1067,17 +1067,9 @@ impl Replicator {
         let me = self.clone();
         let (src, n) = (source.to_string(), name.to_string());
         let span = span::InterceptSpan::new(method, source, name);
-        // On the replicator's runtime, not the connection's; detached, so a
-        // caller that gives up (any caller, not only the splice, which runs
-        // hooks as tasks too) never leaves a replica half done.
         let task = async move { me.replicate_from(&src, &n, true, root.as_ref()).await }
             .instrument(span.span().clone());
-        let res = match &self.rt {
-            Some(rt) => rt.spawn(task),
-            None => tokio::spawn(task),
-        }
-        .await
-        .unwrap_or_else(|e| {
+        let res = self.detached(task).await.unwrap_or_else(|e| {
             Err(Error::Containerd {
                 image: name.into(),
                 source_ns: source.into(),
@@ -1098,6 +1090,19 @@ impl Replicator {
                     Ok(())
                 }
             },
+        }
+    }
+
+    /// Runs a held write's work on the replicator's runtime, not the
+    /// connection's, detached: a caller that gives up (any caller, not only
+    /// the splice, which runs hooks as tasks too) never leaves it half done.
+    fn detached<T: Send + 'static>(
+        &self,
+        task: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        match &self.rt {
+            Some(rt) => rt.spawn(task),
+            None => tokio::spawn(task),
         }
     }
 
@@ -1134,15 +1139,11 @@ impl Replicator {
             let Some(id) = me.cri_id(CRI_NAMESPACE, &root).await else {
                 return;
             };
-            let (polls, _) = me.wait_cri(CRI_NAMESPACE, &n, &[id]).await;
-            tracing::debug!(cri_polls = polls, "direct write confirmed by CRI");
+            let (polls, resolved) = me.wait_cri(CRI_NAMESPACE, &n, &[id]).await;
+            tracing::debug!(cri_polls = polls, resolved, "direct write waited for CRI");
         }
         .instrument(span.span().clone());
-        let _ = match &self.rt {
-            Some(rt) => rt.spawn(task),
-            None => tokio::spawn(task),
-        }
-        .await;
+        let _ = self.detached(task).await;
         span.finish(&Ok::<(), std::convert::Infallible>(()));
     }
 
