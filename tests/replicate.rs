@@ -814,6 +814,16 @@ async fn direct_writes_into_k8s_io_resolve_in_cri_when_confirmed() {
             .is_none(),
         "a direct write was copied into a source namespace"
     );
+    // A record CRI never resolves under its name (kubelet would ask for
+    // `docker.io/library/direct-short:1`) is not waited for: waiting would
+    // hold the write for all of `cri_wait` (5 s).
+    let t = Instant::now();
+    create_image(p.socket(), K8S, "direct-short:1", &target).await;
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "a write of a short name was held {:?}",
+        t.elapsed()
+    );
 }
 
 #[tokio::test]
