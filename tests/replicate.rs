@@ -736,16 +736,29 @@ async fn digest_refs_resolve_in_cri_when_the_write_returns() {
     let img = TestImage::hello("bydigest:1");
     ctr_import(c.socket(), SRC, &img.docker_archive());
     let target = image_target(c.socket(), SRC, &img.normalized()).await;
-    let checks = (0..50).map(|i| {
+    fifty_resolve_on_return("the digest ref", &p, |i| {
         let (c, p, target) = (&c, &p, &target);
         async move {
             create_image(p.socket(), SRC, &format!("bydigest-{i}:1"), target).await;
             let by_digest = format!("docker.io/library/bydigest-{i}@{}", target.digest);
-            cri_image_status(c.socket(), &by_digest)
-                .await
-                .is_none()
-                .then_some(i)
+            cri_image_status(c.socket(), &by_digest).await.is_some()
         }
+    })
+    .await;
+}
+
+/// Runs `write` for 0..50 at once; each writes through imgbridge `p` and
+/// asks CRI once, the moment its write returns (`true`: resolved). Panics
+/// naming the misses, or if a write gave up waiting for CRI: fifty waiting
+/// at once share CRI's answers, so none should return on the timeout.
+async fn fifty_resolve_on_return<F, Fut>(what: &str, p: &Imgbridge, write: F)
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let checks = (0..50).map(|i| {
+        let resolved = write(i);
+        async move { (!resolved.await).then_some(i) }
     });
     let misses: Vec<usize> = futures_util::future::join_all(checks)
         .await
@@ -754,14 +767,12 @@ async fn digest_refs_resolve_in_cri_when_the_write_returns() {
         .collect();
     assert!(
         misses.is_empty(),
-        "CRI did not resolve the digest ref on return for {} of 50: {misses:?}",
+        "CRI did not resolve {what} on return for {} of 50: {misses:?}",
         misses.len()
     );
-    // Fifty waiting at once share CRI's answers: each saw its names there,
-    // none returned on the timeout.
     assert!(
         !p.log().contains("did not resolve it in time"),
-        "a replication gave up waiting for CRI:\n{}",
+        "a write gave up waiting for CRI:\n{}",
         p.log_tail()
     );
 }
@@ -779,35 +790,17 @@ async fn direct_writes_into_k8s_io_resolve_in_cri_when_confirmed() {
     let img = TestImage::hello("direct:1");
     ctr_import(c.socket(), K8S, &img.docker_archive());
     let target = image_target(c.socket(), K8S, &img.normalized()).await;
-    let checks = (0..50).map(|i| {
+    fifty_resolve_on_return("a direct write", &p, |i| {
         let (c, p, target) = (&c, &p, &target);
         async move {
             // Tools writing into `k8s.io` name images in full, as CRI
             // and kubelet do.
             let name = format!("docker.io/library/direct-{i}:1");
             create_image(p.socket(), K8S, &name, target).await;
-            cri_image_status(c.socket(), &name)
-                .await
-                .is_none()
-                .then_some(i)
+            cri_image_status(c.socket(), &name).await.is_some()
         }
-    });
-    let misses: Vec<usize> = futures_util::future::join_all(checks)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
-    assert!(
-        misses.is_empty(),
-        "CRI did not resolve a direct write on return for {} of 50: {misses:?}\n{}",
-        misses.len(),
-        p.log_tail()
-    );
-    assert!(
-        !p.log().contains("did not resolve it in time"),
-        "a write gave up waiting for CRI:\n{}",
-        p.log_tail()
-    );
+    })
+    .await;
     assert!(
         get_image(c.socket(), SRC, "docker.io/library/direct-0:1")
             .await
