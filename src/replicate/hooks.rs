@@ -36,9 +36,7 @@ impl ImageHooks {
     pub fn new(r: Arc<Replicator>) -> Self {
         ImageHooks { r }
     }
-}
 
-impl ImageHooks {
     /// A write straight into `k8s.io`, held only with `confirm_direct_writes`.
     fn direct(&self, call: &CallInfo, ns: &str) -> Option<Box<dyn Hook>> {
         let held = self.r.settings().confirm_direct
