@@ -227,19 +227,16 @@ mod tests {
 
     #[test]
     fn pinned_by_finds_the_source_in_any_position() {
-        let img = |name: &str, label: Option<&str>| Image {
+        let named = |name: &str, labels: &[(&str, &str)]| Image {
             name: name.into(),
-            labels: label
-                .map(|l| HashMap::from([(IMPORT.to_string(), l.to_string())]))
-                .unwrap_or_default(),
-            ..Default::default()
+            ..img(labels)
         };
         let images = [
-            img("a", Some("aaa")),
-            img("b", Some("bbb,ccc")),
-            img("c", Some("ccc")),
-            img("d", None),
-            img("e", Some("cccc")),
+            named("a", &[(IMPORT, "aaa")]),
+            named("b", &[(IMPORT, "bbb,ccc")]),
+            named("c", &[(IMPORT, "ccc")]),
+            named("d", &[]),
+            named("e", &[(IMPORT, "cccc")]),
         ];
         assert_eq!(pinned_by(&images, "ccc").collect::<Vec<_>>(), ["b", "c"]);
         assert_eq!(pinned_by(&images, "zzz").count(), 0);
