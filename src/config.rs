@@ -97,6 +97,14 @@ pub struct Replication {
     /// pods of its image cannot start until it is written.
     #[serde(with = "duration")]
     pub pending_warn_after: Duration,
+    /// Names in a target a replica never replaces (globs over the
+    /// normalised name, `*` within a path segment, `**` across them), on top
+    /// of CRI's sandbox image and images pinned by others
+    /// ([docs/protected-names.md](../docs/protected-names.md)).
+    pub protect: Vec<String>,
+    /// Globs that lift every protection for the names they match: an
+    /// operator who really wants a build to replace one.
+    pub overwrite: Vec<String>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -201,6 +209,8 @@ impl Default for Replication {
             cri_wait: Duration::from_secs(5),
             pending_give_up: Duration::from_secs(30 * 60),
             pending_warn_after: Duration::from_secs(60),
+            protect: Vec::new(),
+            overwrite: Vec::new(),
         }
     }
 }
@@ -283,6 +293,14 @@ impl Config {
             return bad(format!(
                 "namespace {ns:?} is both a replication source and a target: that would replicate it into itself"
             ));
+        }
+        for (key, globs) in [
+            ("replication.protect", &r.protect),
+            ("replication.overwrite", &r.overwrite),
+        ] {
+            if let Err(e) = crate::replicate::protect::Globs::new(globs) {
+                return bad(format!("{key}: {e}"));
+            }
         }
         if self.listen == self.upstream {
             return bad(format!(

@@ -7,6 +7,8 @@ pub mod cri;
 pub mod images;
 pub mod introspect;
 pub mod leases;
+pub mod node_config;
+pub mod sandbox;
 
 use std::path::{Path, PathBuf};
 

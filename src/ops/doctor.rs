@@ -13,6 +13,7 @@
 //! through a node-local registry mirror ([`mirror`]).
 
 pub mod mirror;
+mod protected;
 
 use std::collections::HashMap;
 use std::fmt::{self, Display};
@@ -34,16 +35,9 @@ pub const TESTED: &[(u64, u64, &str)] = &[
     (2, 4, "2.4.2"),
 ];
 
-/// Environment variable naming containerd's config file, for nodes where it
-/// is not at one of [`CONFIG_PATHS`].
-pub const CONFIG_ENV: &str = "IMGBRIDGE_CONTAINERD_CONFIG";
-
-/// Where containerd's config file usually is: stock packages, k3s, k0s.
-pub const CONFIG_PATHS: &[&str] = &[
-    "/etc/containerd/config.toml",
-    "/var/lib/rancher/k3s/agent/etc/containerd/config.toml",
-    "/etc/k0s/containerd.toml",
-];
+pub use crate::containerd::node_config::{
+    candidates as config_candidates, parse_version, CONFIG_ENV, CONFIG_PATHS,
+};
 
 /// Namespace label that sets the snapshotter clients default to there.
 use crate::labels::DEFAULT_SNAPSHOTTER as NS_SNAPSHOTTER_LABEL;
@@ -174,20 +168,6 @@ pub enum PinnedSupport {
     No,
 }
 
-/// `(major, minor, patch)` from containerd version strings such as
-/// `1.6.20~ds1`, `v1.7.3`, `2.0.0-rc.1` or `1.7.27-k3s1`.
-pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
-    let v = v.trim().trim_start_matches('v');
-    let end = v
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(v.len());
-    let mut it = v[..end].split('.').filter(|s| !s.is_empty());
-    let major = it.next()?.parse().ok()?;
-    let minor = it.next()?.parse().ok()?;
-    let patch = it.next().map_or(Some(0), |p| p.parse().ok())?;
-    Some((major, minor, patch))
-}
-
 /// Pinned-label support of a parsed containerd version.
 pub fn pinned_support((major, minor, patch): (u64, u64, u64)) -> PinnedSupport {
     match (major, minor) {
@@ -267,19 +247,6 @@ pub fn config_file_version(text: &str) -> Result<i64, String> {
         Some(toml::Value::Integer(v)) => Ok(*v),
         Some(v) => Err(format!("`version` is not an integer: {v}")),
     }
-}
-
-/// Where to look for containerd's config: [`CONFIG_PATHS`], with the one
-/// matching the upstream socket's distribution (k3s, k0s) first.
-pub fn config_candidates(upstream: &Path) -> Vec<PathBuf> {
-    let up = upstream.to_string_lossy();
-    let mut paths: Vec<&str> = CONFIG_PATHS.to_vec();
-    for hint in ["k3s", "k0s"] {
-        if up.contains(hint) {
-            paths.sort_by_key(|p| !p.contains(hint));
-        }
-    }
-    paths.into_iter().map(PathBuf::from).collect()
 }
 
 /// The snapshotter CRI unpacks images with for its default runtime, from
@@ -790,6 +757,7 @@ async fn namespaces(config: &Config, r: &mut Report) {
             "k8s.io appears once the CRI plugin (kubelet) uses it; imgbridge creates targets on the first replication",
         );
     }
+    protected::check(config, &c, r).await;
 }
 
 async fn proxy_socket(config: &Config, r: &mut Report) {

@@ -66,6 +66,8 @@ pub enum Outcome {
     /// Accepted, but finishes later, e.g. a replica written while some blobs
     /// are still missing in the source (`outcome="deferred"`).
     Deferred,
+    /// Refused: the name is protected in the target (`outcome="protected"`).
+    Protected,
 }
 
 impl Outcome {
@@ -75,6 +77,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::Skipped => "skipped",
             Outcome::Deferred => "deferred",
+            Outcome::Protected => "protected",
         }
     }
 
@@ -173,6 +176,9 @@ pub struct Metrics {
     /// The oldest pending blobs, for `/status`.
     pending_list: Mutex<Vec<PendingBlob>>,
     image_errors: Mutex<HashMap<String, LastError>>,
+    /// Last refusal per image of a protected name (context: the target and
+    /// the protection), as `/status` shows them.
+    image_refusals: Mutex<HashMap<String, LastError>>,
     file_errors: Mutex<HashMap<String, LastError>>,
     broken_calls: Family<OutcomeLabels, Counter>,
     /// Calls that broke containerd's connection twice and are no longer
@@ -210,6 +216,7 @@ impl Metrics {
             pending: Mutex::new(Pending::default()),
             pending_list: Mutex::new(Vec::new()),
             image_errors: Mutex::new(HashMap::new()),
+            image_refusals: Mutex::new(HashMap::new()),
             file_errors: Mutex::new(HashMap::new()),
             broken_calls: Family::default(),
             stopped_calls: Mutex::new(HashMap::new()),
@@ -384,6 +391,11 @@ impl Metrics {
         lock(&self.image_errors).clone()
     }
 
+    /// Last refusal per image of a protected name, as `/status` shows them.
+    pub fn image_refusals(&self) -> HashMap<String, LastError> {
+        lock(&self.image_refusals).clone()
+    }
+
     /// Last errors per file, as `/status` shows them.
     pub fn file_errors(&self) -> HashMap<String, LastError> {
         lock(&self.file_errors).clone()
@@ -405,11 +417,16 @@ impl ReplicationObserver for Metrics {
             Attempt::Changed => Outcome::Ok,
             Attempt::Unchanged => Outcome::Skipped,
             Attempt::Failed(_) => Outcome::Failed,
+            Attempt::Protected(..) => Outcome::Protected,
         };
         self.replication(target, outcome, elapsed);
         let key = format!("{source}/{name}");
         match attempt {
             Attempt::Failed(e) => self.image_error(&key, target, e),
+            Attempt::Protected(p, e) => {
+                let context = format!("{target} ({})", p.kind());
+                remember(&self.image_refusals, &key, &context, e);
+            }
             Attempt::Changed | Attempt::Unchanged => self.clear_image_error(&key),
         }
     }

@@ -118,6 +118,7 @@ impl Ops {
             pending: self.metrics.pending(),
             pending_blobs: self.metrics.pending_blobs(),
             stopped_calls: self.metrics.stopped_calls(),
+            protected: self.metrics.image_refusals().into_iter().collect(),
             last_errors: LastErrors {
                 images: self.metrics.image_errors().into_iter().collect(),
                 files: self.metrics.file_errors().into_iter().collect(),
@@ -145,6 +146,9 @@ pub struct Status {
     /// Writes that broke containerd's connection twice: not sent again
     /// until imgbridge restarts (see `containerd::breaker`).
     pub stopped_calls: Vec<crate::containerd::breaker::Broken>,
+    /// Last refusal per source image (`namespace/name`) of a name protected
+    /// in a target: the message the client got, the target and protection.
+    pub protected: BTreeMap<String, crate::ops::metrics::LastError>,
     pub last_errors: LastErrors,
 }
 

@@ -46,6 +46,8 @@ pub struct Report {
 /// over images already in sync performs zero writes.
 pub async fn pass(r: &Replicator) -> Report {
     let mut report = Report::default();
+    // containerd may have come back with another config.
+    r.refresh_sandbox().await;
     for ns in &r.settings().sources {
         let images = match r.containerd().list_images(ns, Vec::new()).await {
             Ok(i) => i,
@@ -66,6 +68,8 @@ pub async fn pass(r: &Replicator) -> Report {
             report.images += 1;
             match res {
                 Ok(o) => report.writes += o.writes,
+                // Refused as the operator configured: logged, not a failure.
+                Err(e) if e.is_protected() => {}
                 Err(e) => report.failed.push((format!("{ns}/{name}"), e.to_string())),
             }
         }
@@ -268,7 +272,8 @@ async fn follow(r: &Replicator, mut events: Events) {
             },
             _ => continue,
         };
-        if let Err(e) = res {
+        if let Err(e) = res.as_ref().map_err(|e| (!e.is_protected()).then_some(e)) {
+            let Some(e) = e else { continue };
             tracing::warn!(namespace = ns, topic = %env.topic, error = %e, "event-driven replication failed; the next pass retries");
         }
     }

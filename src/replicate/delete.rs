@@ -145,6 +145,12 @@ impl Replicator {
         match self.s.delete_policy {
             DeletePolicy::Keep => {}
             DeletePolicy::Delete => {
+                if let Some(p) = self.protect.by_name(target == CRI_NAMESPACE, &img.name) {
+                    // What the node depends on is never removed by a build's delete.
+                    tracing::info!(image = %img.name, source, target, protection = %p,
+                        "kept a protected replica although its source was deleted (delete_policy = delete)");
+                    return Ok(());
+                }
                 self.c.delete_image(target, &img.name, false).await?;
                 tracing::info!(image = %img.name, source, target, "deleted replica (delete_policy = delete)");
             }

@@ -224,12 +224,17 @@ impl Hook for TransferHook {
                 .map(|(name, _)| name.clone())
                 .collect();
             changed.sort();
+            // Every name is replicated even if one is refused or fails: the
+            // client hears of the first such.
+            let mut first_err = None;
             for name in changed {
-                self.r.on_write(TRANSFER, &self.ns, &name, None).await?;
+                if let Err(e) = self.r.on_write(TRANSFER, &self.ns, &name, None).await {
+                    first_err.get_or_insert(e);
+                }
             }
             // Blobs it fetched for images replicated earlier.
             self.r.source_written(&self.ns).await;
-            Ok(())
+            first_err.map_or(Ok(()), Err)
         })
     }
 }

@@ -17,6 +17,7 @@ pub mod hooks;
 mod locks;
 pub mod observe;
 mod pending;
+pub mod protect;
 pub mod span;
 mod spare;
 pub mod tree;
@@ -95,6 +96,9 @@ pub struct Settings {
     pub cri_wait: Duration,
     pub pending_give_up: Duration,
     pub pending_warn_after: Duration,
+    /// `replication.protect` and `replication.overwrite` ([`protect`]).
+    pub protect: Vec<String>,
+    pub overwrite: Vec<String>,
 }
 
 impl From<&config::Replication> for Settings {
@@ -111,6 +115,8 @@ impl From<&config::Replication> for Settings {
             cri_wait: r.cri_wait,
             pending_give_up: r.pending_give_up,
             pending_warn_after: r.pending_warn_after,
+            protect: r.protect.clone(),
+            overwrite: r.overwrite.clone(),
         }
     }
 }
@@ -142,6 +148,24 @@ pub enum Error {
     },
     #[error("image {image} in {source_ns} has no target descriptor")]
     NoTarget { image: String, source_ns: String },
+    /// The target holds `replica` under a protection ([`protect`]): nothing
+    /// was written there.
+    #[error("{replica} is protected in {target} ({protection}), so the image was not replicated there; to let builds replace it, add it to replication.overwrite (for example overwrite = [\"{replica}\"])")]
+    Protected {
+        image: String,
+        source_ns: String,
+        target: String,
+        replica: String,
+        protection: protect::Protection,
+    },
+}
+
+impl Error {
+    /// A refusal ([`Error::Protected`]): nothing went wrong, and trying
+    /// again changes nothing until the operator does.
+    pub fn is_protected(&self) -> bool {
+        matches!(self, Error::Protected { .. })
+    }
 }
 
 /// What one replication did, for logs, tests and idempotence checks.
@@ -283,6 +307,7 @@ pub struct Replicator {
     /// Replications waiting for CRI, and the answers they share.
     cri_view: cri_view::CriView,
     pending: pending::Pending,
+    protect: protect::Protections,
     /// A lease per target ready for the next replication that links.
     spares: Arc<spare::Spares>,
     nodes: std::sync::Mutex<HashMap<String, Arc<tree::Node>>>,
@@ -325,6 +350,7 @@ enum Step {
 impl Replicator {
     pub fn new(c: Containerd, s: Settings) -> Arc<Self> {
         Arc::new(Replicator {
+            protect: protect::Protections::new(&s.protect, &s.overwrite),
             spares: Arc::new(spare::Spares::new(c.clone(), LEASE_TTL)),
             cri_view: cri_view::CriView::new(c.clone()),
             c,
@@ -426,6 +452,9 @@ impl Replicator {
                         Attempt::Unchanged
                     }
                     Ok(Ok(_)) => Attempt::Changed,
+                    Ok(Err(e @ Error::Protected { protection, .. })) => {
+                        Attempt::Protected(protection, e)
+                    }
                     Ok(Err(e)) => Attempt::Failed(e),
                     Err(_) => Attempt::Failed(&"timed out"),
                 };
@@ -433,6 +462,17 @@ impl Replicator {
             }
             match r {
                 Ok(Ok(o)) => total.absorb(o),
+                Ok(Err(e)) if e.is_protected() => {
+                    let root = hint.map_or("", |h| h.digest.as_str());
+                    let key = format!("{target}\0{name}\0{root}");
+                    if self.protect.first_refusal(key) {
+                        tracing::warn!(image = name, source, target = %target, error = %e,
+                            "not replicated: the name is protected in the target; the image stays in the source as written");
+                    } else {
+                        tracing::debug!(image = name, source, target = %target, "not replicated: protected (told before)");
+                    }
+                    first_err.get_or_insert(e);
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(image = name, source, target = %target, error = %e, "replication failed");
                     first_err.get_or_insert(e);
@@ -487,18 +527,29 @@ impl Replicator {
             cause,
         };
         let started = Instant::now();
+        let by_name = self.protection_by_name(target, &target_name).await;
         // The latest source state, not the reply that triggered us: under the
         // lock this makes racing writers converge on what containerd holds.
         // The tree the reply named is walked meanwhile (almost always the
         // same; if not, that walk is dropped), and the target's record is
         // read: all reads but the links, and the lock keeps our own writers
-        // out.
+        // out. The walk writes only once that record is known not to be
+        // protected ([`protect::Gate`]); a name protected as such is not
+        // walked at all.
+        let (verdict, gate) = protect::Gate::pending();
+        let hint = hint.filter(|_| by_name.is_none());
         let (image, existing, early) = tokio::join!(
             self.c.get_image(source, name),
-            self.c.get_image(target, &target_name),
+            async {
+                let existing = self.c.get_image(target, &target_name).await;
+                let clear = by_name.is_none()
+                    && matches!(&existing, Ok(e) if self.protect.by_record(&target_name, e.as_ref()).is_none());
+                let _ = verdict.send(Some(clear));
+                existing
+            },
             async {
                 match hint {
-                    Some(h) => Some((h, self.walk_shared(source, target, name, h).await)),
+                    Some(h) => Some((h, self.walk_shared(source, target, name, h, &gate).await)),
                     None => None,
                 }
             }
@@ -516,13 +567,33 @@ impl Replicator {
             image: name.into(),
             source_ns: source.into(),
         })?;
+        let protection =
+            by_name.or_else(|| self.protect.by_record(&target_name, existing.as_ref()));
+        if let Some(protection) = protection {
+            let held = existing.as_ref().and_then(|e| e.target.as_ref());
+            if held.is_some_and(|t| t.digest == root.digest) {
+                // It already is what the source holds: nothing to replace.
+                return Ok(Outcome::default());
+            }
+            return Err(Error::Protected {
+                image: name.into(),
+                source_ns: source.into(),
+                target: target.into(),
+                replica: target_name,
+                protection,
+            });
+        }
         let mut names = vec![target_name.clone()];
         if self.s.digest_refs && parsed.digest.is_none() {
             names.push(parsed.with_digest(&root.digest));
         }
         let walk = match early {
             Some((h, w)) if h.digest == root.digest => w,
-            _ => self.walk_shared(source, target, &image.name, &root).await,
+            _ => {
+                let open = protect::Gate::open();
+                self.walk_shared(source, target, &image.name, &root, &open)
+                    .await
+            }
         };
         let (tree, shared) = walk.map_err(err)?;
         for child in &tree.missing {
@@ -633,6 +704,7 @@ impl Replicator {
         target: &str,
         image: &str,
         root: &Descriptor,
+        gate: &protect::Gate,
     ) -> Result<(Arc<Walked>, bool), ctrd::Error> {
         let registry = distribution::source(image).map(|(k, _)| k);
         let key = format!(
@@ -648,7 +720,8 @@ impl Replicator {
             return Ok((w, true));
         }
         let lease = Lease::new(&self.spares, target);
-        let (outcome, configs, missing) = self.walk(source, target, image, root, &lease).await?;
+        let (outcome, configs, missing) =
+            self.walk(source, target, image, root, &lease, gate).await?;
         let cri_id = match target == CRI_NAMESPACE && self.has_cri().await {
             true => self.cri_id(source, root).await,
             false => None,
@@ -682,6 +755,7 @@ impl Replicator {
         image: &str,
         root: &Descriptor,
         lease: &Lease,
+        gate: &protect::Gate,
     ) -> Result<(Outcome, Vec<String>, Vec<Child>), ctrd::Error> {
         let mut outcome = Outcome::default();
         let mut configs = Vec::new();
@@ -718,6 +792,10 @@ impl Replicator {
                     queue.extend(v.children);
                     if let Some(w) = v.write {
                         running.push(Box::pin(async move {
+                            if !gate.passed().await {
+                                let shut = "the target's record is protected: nothing written";
+                                return Step::Wrote(Err(ctrd::Error::Protocol(shut.into())));
+                            }
                             Step::Wrote(self.apply(source, target, &child, w, lease).await)
                         }));
                     }
@@ -914,6 +992,49 @@ impl Replicator {
         manifest.config.as_ref().map(|c| c.digest.clone())
     }
 
+    /// Why `name` may not be replaced in `target`, from the name alone;
+    /// CRI's sandbox image is read first if it is not known yet.
+    async fn protection_by_name(&self, target: &str, name: &str) -> Option<protect::Protection> {
+        let cri_target = target == CRI_NAMESPACE;
+        if cri_target && self.protect.sandbox() == protect::Sandbox::Unknown {
+            self.refresh_sandbox().await;
+        }
+        self.protect.by_name(cri_target, name)
+    }
+
+    /// Reads CRI's sandbox image from containerd again: at start and after
+    /// every reconnect (each catch-up pass), as containerd may have come
+    /// back with another config. A read that fails leaves it unknown, to
+    /// be asked again by the next replication into `k8s.io`.
+    pub async fn refresh_sandbox(&self) {
+        if !self.has_cri().await {
+            self.protect.set_sandbox(None);
+            return;
+        }
+        let file = ctrd::node_config::locate_for(self.c.socket());
+        let read = self.c.cri_sandbox_image(file.as_deref());
+        match tokio::time::timeout(Duration::from_secs(5), read).await {
+            Ok(Ok(name)) => {
+                let before = self.protect.sandbox();
+                self.protect.set_sandbox(name.as_deref());
+                if self.protect.sandbox() != before {
+                    tracing::info!(sandbox_image = ?name, "CRI's sandbox image is protected: replicas never replace it");
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "could not read CRI's sandbox image; asking again on the next replication")
+            }
+            Err(_) => tracing::debug!(
+                "CRI's sandbox image not read within 5 s; asking again on the next replication"
+            ),
+        }
+    }
+
+    /// The protections in force ([`protect`]).
+    pub fn protections(&self) -> &protect::Protections {
+        &self.protect
+    }
+
     /// Whether containerd runs CRI. Cached only once known: a probe that
     /// failed (containerd restarting) must not turn CRI's part off for the
     /// life of the process.
@@ -1080,6 +1201,13 @@ impl Replicator {
         span.finish(&res);
         match res {
             Ok(_) => Ok(()),
+            Err(e) if e.is_protected() => match self.s.on_failure {
+                OnFailure::Fail => Err(tonic::Status::failed_precondition(format!(
+                    "imgbridge: image {name} was stored in namespace {source} (left there as written), but {e}"
+                ))),
+                // Logged by the replication; retrying changes nothing.
+                OnFailure::Warn => Ok(()),
+            },
             Err(e) => match self.s.on_failure {
                 OnFailure::Fail => Err(tonic::Status::internal(format!(
                     "imgbridge: image {name} was stored in namespace {source} (kept), but {e}"

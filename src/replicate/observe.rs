@@ -16,6 +16,9 @@ pub enum Attempt<'a> {
     Unchanged,
     /// Failed or timed out; the error as the operator should read it.
     Failed(&'a dyn Display),
+    /// Refused: the name is protected in the target, nothing was written
+    /// there ([`super::protect`]); the refusal as the operator should read it.
+    Protected(&'a super::protect::Protection, &'a dyn Display),
 }
 
 /// A blob replicas wait for, as `/status` lists it: referenced by

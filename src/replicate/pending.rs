@@ -330,7 +330,11 @@ impl Replicator {
             // (created only if it writes) covers its children until they
             // are referenced. Children still missing are queued in turn.
             let lease = super::Lease::new(&self.spares, target);
-            match self.walk(job.source(), target, &image, &root, &lease).await {
+            let open = super::protect::Gate::open();
+            match self
+                .walk(job.source(), target, &image, &root, &lease, &open)
+                .await
+            {
                 Ok(_) => done.push(target.clone()),
                 Err(e) => {
                     tracing::warn!(images = ?job.images, digest = %job.child.digest, target = ?target, error = %e,

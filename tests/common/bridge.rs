@@ -62,6 +62,13 @@ impl Imgbridge {
             .args(extra_args)
             .env("RUST_LOG", "imgbridge=debug,info")
             .env("RUST_BACKTRACE", "1");
+        // The config the harness wrote next to its containerd's socket is
+        // the one that containerd runs with (what doctor and the 2.x sandbox
+        // image read); never the host's /etc/containerd/config.toml.
+        match upstream_sock.with_file_name("config.toml") {
+            f if f.exists() => cmd.env("IMGBRIDGE_CONTAINERD_CONFIG", f),
+            _ => cmd.env_remove("IMGBRIDGE_CONTAINERD_CONFIG"),
+        };
         let daemon = Daemon::spawn("imgbridge", cmd, &log);
         let mut b = Imgbridge {
             daemon,

@@ -275,7 +275,7 @@ pub(super) fn http_request(addr: &str, path: &str, limit: usize) -> Option<Strin
 /// Runs `fut` to completion on a fresh current-thread runtime in a helper
 /// thread, so sync code can use async helpers whether or not it is itself
 /// running inside a tokio runtime.
-pub(super) fn block_on_thread<F>(fut: F) -> F::Output
+pub fn block_on_thread<F>(fut: F) -> F::Output
 where
     F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,

@@ -375,15 +375,6 @@ async fn probe_http(host: &str, port: u16, target: &str) -> Result<u16, String> 
     }
 }
 
-/// The config file doctor reads: `env` if set, else the first candidate
-/// that exists (as the config version check does).
-fn config_file(env: Option<&Path>, candidates: &[PathBuf]) -> Option<PathBuf> {
-    match env {
-        Some(p) => Some(p.to_path_buf()),
-        None => candidates.iter().find(|p| p.exists()).cloned(),
-    }
-}
-
 /// The config file's non-empty `imports = [...]`, as written.
 fn imports(text: &str) -> Option<String> {
     let t: toml::Table = toml::from_str(text).ok()?;
@@ -463,7 +454,7 @@ pub(super) async fn checks(
 ) {
     let guide = "see docs/multi-node.md";
     let what = "image sharing";
-    let file = config_file(env, candidates);
+    let file = crate::containerd::node_config::locate(env, candidates);
     let reg = match cri_registry(c, version, file.as_deref()).await {
         Ok(reg) => reg,
         Err(e) => {
