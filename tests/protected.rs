@@ -298,3 +298,27 @@ fn overwrite_lifts_a_protection_and_only_for_its_names() {
     s.refused(kept, "is protected in k8s.io", kept_before.as_deref());
     s.ordinary_runs();
 }
+
+/// `on_failure = "warn"`: the refused write returns OK; the refusal is a
+/// WARN, and the protected record stays.
+#[test]
+fn with_on_failure_warn_the_write_returns_ok_and_the_record_stays() {
+    let (c, p) = Scenario::cri()
+        .config("[replication]\non_failure = \"warn\"\nprotect = [\"example.test/sys/**\"]\n")
+        .start();
+    let img = TestImage::hello("prot-warn:1");
+    ctr_import(p.socket(), "buildkit", &img.docker_archive());
+    let name = "example.test/sys/warned:1";
+    let src = img.normalized();
+    ctr_ok(
+        p.socket(),
+        "buildkit",
+        ["images", "tag", src.as_str(), name],
+    );
+    p.wait_for_log(
+        "not replicated: the name is protected",
+        Duration::from_secs(10),
+        "the refusal is logged as a WARN",
+    );
+    assert_eq!(record_digest(c.socket(), "k8s.io", name), None);
+}

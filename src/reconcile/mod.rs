@@ -272,9 +272,13 @@ async fn follow(r: &Replicator, mut events: Events) {
             },
             _ => continue,
         };
-        if let Err(e) = res.as_ref().map_err(|e| (!e.is_protected()).then_some(e)) {
-            let Some(e) = e else { continue };
-            tracing::warn!(namespace = ns, topic = %env.topic, error = %e, "event-driven replication failed; the next pass retries");
+        match &res {
+            // A refusal was logged by the replication: nothing to retry.
+            Err(e) if e.is_protected() => {}
+            Err(e) => {
+                tracing::warn!(namespace = ns, topic = %env.topic, error = %e, "event-driven replication failed; the next pass retries")
+            }
+            Ok(()) => {}
         }
     }
 }
