@@ -17,6 +17,7 @@ pub mod hooks;
 mod locks;
 pub mod observe;
 mod pending;
+mod platform;
 pub mod span;
 mod spare;
 pub mod tree;
