@@ -653,9 +653,7 @@ impl Replicator {
             return Ok((w, true));
         }
         let lease = Lease::new(&self.spares, target);
-        let (outcome, configs, missing) = self
-            .walk(source, target, image, root, Need::Node, &lease)
-            .await?;
+        let (outcome, configs, missing) = self.walk(source, target, image, root, &lease).await?;
         let cri_id = match target == CRI_NAMESPACE && self.has_cri().await {
             true => self.cri_id(source, root).await,
             false => None,
@@ -677,8 +675,7 @@ impl Replicator {
     /// Walks the tree from `root`, making every present blob visible in
     /// `target`. Returns the outcome, the config digests seen (the image
     /// ids CRI may report) and the blobs the source lacks, each with
-    /// whether this node could need it (`need`: whether it could need
-    /// `root`).
+    /// whether this node could need it, given that it could need `root`.
     ///
     /// Inspections (reads) and writes share one bounded set of futures: a
     /// blob's link starts as soon as it is inspected, and its children are
@@ -690,7 +687,6 @@ impl Replicator {
         target: &str,
         image: &str,
         root: &Descriptor,
-        need: Need,
         lease: &Lease,
     ) -> Result<(Outcome, Vec<String>, Vec<(Child, Need)>), ctrd::Error> {
         let mut outcome = Outcome::default();
@@ -744,10 +740,7 @@ impl Replicator {
                 Step::Wrote(r) => outcome.writes += r?,
             }
         }
-        let here = match need {
-            Need::Node => tree::needed_here(&root_digest, &edges),
-            Need::OtherPlatform => Default::default(),
-        };
+        let here = tree::needed_here(&root_digest, &edges);
         let missing = missing
             .into_iter()
             .map(|c| {

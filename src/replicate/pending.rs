@@ -525,10 +525,7 @@ impl Replicator {
             // are referenced. Children still missing are queued in turn,
             // for the same images, needed where both are.
             let lease = super::Lease::new(&self.spares, target);
-            match self
-                .walk(job.source(), target, &image, &root, Need::Node, &lease)
-                .await
-            {
+            match self.walk(job.source(), target, &image, &root, &lease).await {
                 Ok((_, _, children)) => {
                     for (child, need) in children {
                         for o in &job.owners {
