@@ -94,7 +94,8 @@ pub struct Replication {
     #[serde(with = "duration")]
     pub pending_give_up: Duration,
     /// A blob still missing after this long is logged as a WARN (once):
-    /// pods of its image cannot start until it is written.
+    /// pods of its image cannot start until it is written. Only blobs a pod
+    /// on this node could need, while an image in the source names them.
     #[serde(with = "duration")]
     pub pending_warn_after: Duration,
     /// Names in a target a replica never replaces (globs over the

@@ -18,7 +18,7 @@
 //! | `replications_total` | counter | `outcome`, `target` | replicator ([`ReplicationObserver`]) |
 //! | `replication_duration_seconds` | histogram | | replicator |
 //! | `cri_wait_duration_seconds` | histogram | | replicator |
-//! | `pending_blobs` | gauge | | replicator |
+//! | `pending_blobs` | gauge | | replicator (blobs a pod on this node could need) |
 //! | `reconcile_passes_total` | counter | `outcome` | reconciler ([`PassObserver`]) |
 //! | `imported_files_total` | counter | `outcome` | importer ([`ImportObserver`]) |
 //! | `pins_total` / `unpins_total` | counter | | importer |
@@ -105,8 +105,13 @@ pub const PENDING_LISTED: usize = 100;
 /// [`Metrics::set_pending`] by whoever owns the queue.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Pending {
-    /// Blobs a replica is still waiting for (not yet present in the source).
+    /// Blobs a replica is still waiting for (not yet present in the source)
+    /// that a pod on this node could need.
     pub blobs: u64,
+    /// Blobs waited for only under other platforms' entries of an index
+    /// (a pull for this node's platform never fetches them): linked if
+    /// they appear, not a problem for pods here, not in the gauge.
+    pub other_platform_blobs: u64,
     /// Images whose replication is not complete (waiting for blobs or retrying).
     pub images: u64,
     /// Files in watched directories waiting to be imported (or retried).
@@ -435,13 +440,14 @@ impl ReplicationObserver for Metrics {
         self.cri_wait(elapsed);
     }
 
-    fn blobs_pending(&self, blobs: &[PendingBlob]) {
+    fn blobs_pending(&self, blobs: &[PendingBlob], other_platforms: usize) {
         let images: std::collections::HashSet<_> = blobs
             .iter()
             .flat_map(|b| b.images.iter().map(move |i| (&b.source, i)))
             .collect();
         self.set_pending(Pending {
             blobs: blobs.len() as u64,
+            other_platform_blobs: other_platforms as u64,
             images: images.len() as u64,
             ..self.pending()
         });
@@ -701,7 +707,7 @@ mod tests {
         m.set_pending(Pending {
             blobs: 3,
             images: 1,
-            files: 0,
+            ..Pending::default()
         });
         let text = m.encode();
         for line in [
@@ -746,15 +752,19 @@ mod tests {
             files: 4,
             ..Pending::default()
         });
-        m.blobs_pending(&[
-            blob("a:1", "sha256:1"),
-            blob("a:1", "sha256:2"),
-            blob("b:1", "sha256:1"),
-        ]);
+        m.blobs_pending(
+            &[
+                blob("a:1", "sha256:1"),
+                blob("a:1", "sha256:2"),
+                blob("b:1", "sha256:1"),
+            ],
+            5,
+        );
         assert_eq!(
             m.pending(),
             Pending {
                 blobs: 3,
+                other_platform_blobs: 5,
                 images: 2,
                 files: 4
             }

@@ -17,6 +17,7 @@ pub mod hooks;
 mod locks;
 pub mod observe;
 mod pending;
+mod platform;
 pub mod protect;
 pub mod span;
 mod spare;
@@ -36,7 +37,7 @@ use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
 use crate::reference::Reference;
 use observe::{Attempt, ReplicationObserver};
-use tree::Child;
+use tree::{Child, Need};
 
 use crate::labels::{
     pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX,
@@ -253,7 +254,7 @@ struct Walked {
     configs: Vec<String>,
     /// Blobs the source lacks, queued ([`pending`]) by each replication
     /// that uses the walk, once it knows the tree is its image's.
-    missing: Vec<Child>,
+    missing: Vec<(Child, Need)>,
     /// The image id CRI will report, when certain; the names are then
     /// written already marked and its id record next to them ([`cri_id`]).
     cri_id: Option<String>,
@@ -323,7 +324,7 @@ pub struct Replicator {
 /// Result of looking at one blob.
 #[derive(Default)]
 struct Visit {
-    children: Vec<Child>,
+    children: Vec<(Child, Need)>,
     config: Option<String>,
     write: Option<Write>,
     pending: bool,
@@ -596,11 +597,15 @@ impl Replicator {
             }
         };
         let (tree, shared) = walk.map_err(err)?;
-        for child in &tree.missing {
+        for (child, need) in &tree.missing {
             self.pending.add(pending::Item {
                 source: source.into(),
                 target: target.into(),
-                image: image.name.clone(),
+                owner: pending::Owner {
+                    image: image.name.clone(),
+                    root: root.digest.clone(),
+                    need: *need,
+                },
                 child: child.clone(),
             });
         }
@@ -742,7 +747,8 @@ impl Replicator {
 
     /// Walks the tree from `root`, making every present blob visible in
     /// `target`. Returns the outcome, the config digests seen (the image
-    /// ids CRI may report) and the blobs the source lacks.
+    /// ids CRI may report) and the blobs the source lacks, each with
+    /// whether this node could need it, given that it could need `root`.
     ///
     /// Inspections (reads) and writes share one bounded set of futures: a
     /// blob's link starts as soon as it is inspected, and its children are
@@ -756,15 +762,20 @@ impl Replicator {
         root: &Descriptor,
         lease: &Lease,
         gate: &protect::Gate,
-    ) -> Result<(Outcome, Vec<String>, Vec<Child>), ctrd::Error> {
+    ) -> Result<(Outcome, Vec<String>, Vec<(Child, Need)>), ctrd::Error> {
         let mut outcome = Outcome::default();
         let mut configs = Vec::new();
         let mut missing = Vec::new();
+        // Parent → children of every parent read, to tell afterwards which
+        // blobs a pod here could need: a blob reached first under another
+        // platform's entry may also sit under this node's.
+        let mut edges: HashMap<String, Vec<(String, Need)>> = HashMap::new();
         let root = Child {
             media_type: root.media_type.clone(),
             digest: root.digest.clone(),
             size: root.size,
         };
+        let root_digest = root.digest.clone();
         let mut queue = vec![root];
         let mut seen = std::collections::HashSet::new();
         let mut running: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
@@ -789,7 +800,11 @@ impl Replicator {
                         missing.push(child.clone());
                     }
                     configs.extend(v.config);
-                    queue.extend(v.children);
+                    if !v.children.is_empty() {
+                        let e = v.children.iter().map(|(c, n)| (c.digest.clone(), *n));
+                        edges.insert(child.digest.clone(), e.collect());
+                    }
+                    queue.extend(v.children.into_iter().map(|(c, _)| c));
                     if let Some(w) = v.write {
                         running.push(Box::pin(async move {
                             if !gate.passed().await {
@@ -803,6 +818,17 @@ impl Replicator {
                 Step::Wrote(r) => outcome.writes += r?,
             }
         }
+        let here = tree::needed_here(&root_digest, &edges);
+        let missing = missing
+            .into_iter()
+            .map(|c| {
+                let n = match here.contains(&c.digest) {
+                    true => Need::Node,
+                    false => Need::OtherPlatform,
+                };
+                (c, n)
+            })
+            .collect();
         Ok((outcome, configs, missing))
     }
 
@@ -873,7 +899,10 @@ impl Replicator {
         }
         if let Some(n) = node {
             v.config = n.config.as_ref().map(|c| c.digest.clone());
-            v.children = n.children().cloned().collect();
+            v.children = n
+                .children_needed()
+                .map(|(c, need)| (c.clone(), need))
+                .collect();
         }
         Ok(v)
     }

@@ -23,7 +23,8 @@ pub enum Attempt<'a> {
 
 /// A blob replicas wait for, as `/status` lists it: referenced by
 /// `images` in `source`, not there yet (buildkit names images before it
-/// fetches lazy base layers; an index pulled for one platform).
+/// fetches lazy base layers), and needed by pods on this node (not only
+/// under other platforms' entries of an index).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct PendingBlob {
     pub source: String,
@@ -49,7 +50,10 @@ pub trait ReplicationObserver: Send + Sync + 'static {
     );
     /// CRI resolved a new replica `elapsed` after the record was written.
     fn cri_confirmed(&self, elapsed: Duration);
-    /// Every blob pending right now, oldest first (the whole set, whenever
-    /// the backstop looked), so an observer can show counts, ages or a list.
-    fn blobs_pending(&self, blobs: &[PendingBlob]);
+    /// Every blob pending right now that a pod on this node could need,
+    /// oldest first (the whole set, whenever the backstop looked), so an
+    /// observer can show counts, ages or a list; and how many more wait
+    /// that only other platforms' pods need (linked if they appear, not a
+    /// problem here).
+    fn blobs_pending(&self, blobs: &[PendingBlob], other_platforms: usize);
 }

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 
 use oci_spec::image::{Descriptor, ImageIndex, ImageManifest};
 
+use super::platform;
 use crate::labels::{media_type, GC_REF_CONTENT};
 
 /// Largest index/manifest imgbridge parses (real ones are a few KiB).
@@ -49,31 +50,31 @@ impl TryFrom<&Descriptor> for Child {
     }
 }
 
+/// Whether a pod on this node could need a blob: only then is its absence
+/// reported (a pull for this node's platform never fetches the other
+/// platforms of an index, and no pod here runs them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Need {
+    /// Only under index entries CRI never resolves on this node.
+    OtherPlatform,
+    /// A pod on this node could need it.
+    Node,
+}
+
 /// The parsed part of an index or manifest that replication needs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Node {
     /// Manifests of an index (all platforms, attestations included).
     pub manifests: Vec<Child>,
+    /// Of an index, per entry of `manifests`: whether this node could need
+    /// it ([`needs`]).
+    pub needs: Vec<Need>,
     /// Config of a manifest.
     pub config: Option<Child>,
     pub layers: Vec<Child>,
     /// Of an index: the manifest CRI resolves on this host, when the index
     /// names it by platform without doubt (see [`host_manifest`]).
     pub host: Option<usize>,
-}
-
-/// This host's platform as containerd names it (Go's GOARCH), if known.
-fn host_arch() -> Option<&'static str> {
-    Some(match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        "x86" => "386",
-        "arm" => "arm",
-        "powerpc64" if cfg!(target_endian = "little") => "ppc64le",
-        "s390x" => "s390x",
-        "riscv64" => "riscv64",
-        _ => return None,
-    })
 }
 
 /// The entry of an index that containerd's default platform matcher puts
@@ -104,6 +105,52 @@ fn host_manifest(index: &ImageIndex, arch: &str) -> Option<usize> {
     found
 }
 
+/// Per entry of an index, whether a pod on this node could need it: the
+/// entry containerd's CRI resolves here ([`platform::Matcher::select`]),
+/// and every entry without a platform (containerd reads its config to
+/// tell, so the index alone cannot rule it out). Everything, on a node
+/// whose architecture has no GOARCH name.
+fn needs(index: &ImageIndex) -> Vec<Need> {
+    let platforms: Vec<_> = index
+        .manifests()
+        .iter()
+        .map(|d| d.platform().as_ref())
+        .collect();
+    let Some(m) = platform::Matcher::node() else {
+        return vec![Need::Node; platforms.len()];
+    };
+    let selected = m.select(&platforms);
+    platforms
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match p.is_none() || Some(i) == selected {
+            true => Need::Node,
+            false => Need::OtherPlatform,
+        })
+        .collect()
+}
+
+/// The blobs a pod on this node could need, of a tree walked from `root`
+/// (`edges`: each parent read, with its children and whether this node
+/// could need them): those reached from `root` through needed entries
+/// only. A blob under another platform's entry that is also under this
+/// node's counts as needed, whichever way the walk found it first.
+pub fn needed_here(
+    root: &str,
+    edges: &HashMap<String, Vec<(String, Need)>>,
+) -> std::collections::HashSet<String> {
+    let mut here = std::collections::HashSet::from([root.to_string()]);
+    let mut queue = vec![root];
+    while let Some(d) = queue.pop() {
+        for (c, need) in edges.get(d).into_iter().flatten() {
+            if *need == Need::Node && here.insert(c.clone()) {
+                queue.push(c);
+            }
+        }
+    }
+    here
+}
+
 /// True for media types whose blob lists children.
 pub fn is_parent(media_type: &str) -> bool {
     media_type::is_index(media_type) || media_type::is_manifest(media_type)
@@ -120,7 +167,8 @@ pub fn parse(bytes: &[u8]) -> Result<Node, serde_json::Error> {
         let index: ImageIndex = serde_json::from_value(doc)?;
         Ok(Node {
             manifests: children(index.manifests())?,
-            host: host_arch().and_then(|arch| host_manifest(&index, arch)),
+            host: platform::go_arch().and_then(|arch| host_manifest(&index, arch)),
+            needs: needs(&index),
             ..Node::default()
         })
     } else {
@@ -140,6 +188,14 @@ impl Node {
             .iter()
             .chain(self.config.iter())
             .chain(self.layers.iter())
+    }
+
+    /// [`Self::children`], each with whether this node could need it
+    /// (given that it could need this blob).
+    pub fn children_needed(&self) -> impl Iterator<Item = (&Child, Need)> {
+        let entries = self.manifests.iter().zip(self.needs.iter().copied());
+        let rest = self.config.iter().chain(self.layers.iter());
+        entries.chain(rest.map(|c| (c, Need::Node)))
     }
 
     /// The GC labels containerd's own clients put on this blob
@@ -285,6 +341,69 @@ mod tests {
             p("amd64", "")
         );
         assert_eq!(index(&[nested]), None);
+    }
+
+    /// An index's entries: the one CRI resolves here and those without a
+    /// platform are needed; other platforms and attestations are not.
+    /// What lies under a foreign entry is foreign unless this node's entry
+    /// reaches it too.
+    #[test]
+    fn index_entries_needed_on_this_node() {
+        let Some(arch) = platform::go_arch() else {
+            return;
+        };
+        let other = |n| {
+            ["arm64", "s390x", "ppc64le"]
+                .into_iter()
+                .filter(|a| *a != arch)
+                .nth(n)
+        };
+        let entry = |c: char, platform: &str| {
+            format!(
+                r#"{{"mediaType":"{}","digest":"{}","size":1{platform}}}"#,
+                media_type::DOCKER_MANIFEST,
+                d(c)
+            )
+        };
+        let p = |a: &str| format!(r#","platform":{{"os":"linux","architecture":"{a}"}}"#);
+        let doc = format!(
+            r#"{{"schemaVersion":2,"manifests":[{}]}}"#,
+            [
+                entry('a', &p(other(0).unwrap())),
+                entry('b', &p(arch)),
+                entry('c', &p(other(1).unwrap())),
+                entry(
+                    'e',
+                    r#","platform":{"os":"unknown","architecture":"unknown"}"#
+                ),
+                entry('f', ""),
+            ]
+            .join(",")
+        );
+        let n = parse(doc.as_bytes()).unwrap();
+        use Need::*;
+        assert_eq!(
+            n.needs,
+            [OtherPlatform, Node, OtherPlatform, OtherPlatform, Node]
+        );
+        let needs: Vec<_> = n.children_needed().map(|(_, need)| need).collect();
+        assert_eq!(needs, n.needs);
+
+        // idx → {a: foreign manifest, b: this node's}; both name layer l.
+        let edges = HashMap::from([
+            (
+                "idx".to_string(),
+                vec![("a".to_string(), OtherPlatform), ("b".to_string(), Node)],
+            ),
+            (
+                "a".to_string(),
+                vec![("l".to_string(), Node), ("x".to_string(), Node)],
+            ),
+            ("b".to_string(), vec![("l".to_string(), Node)]),
+        ]);
+        let here = needed_here("idx", &edges);
+        assert!(here.contains("l") && here.contains("b"));
+        assert!(!here.contains("a") && !here.contains("x"));
     }
 
     /// Where `oci-spec` and the hand-written parser it replaced differ: the

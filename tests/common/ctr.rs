@@ -156,3 +156,13 @@ pub fn ctr_ingest(sock: &Path, ns: &str, digest: &str, file: &Path) {
     cmd.arg("-c").arg(&sh).env("PATH", flavor().path_env());
     run_ok(cmd);
 }
+
+/// Writes `data` as a blob into `ns` with [`ctr_ingest`]; returns its digest.
+pub fn ingest_bytes(sock: &Path, ns: &str, data: &[u8]) -> String {
+    let digest = sha256_digest(data);
+    let dir = tempdir("blob-");
+    let f = dir.path().join("blob");
+    fs::write(&f, data).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    ctr_ingest(sock, ns, &digest, &f);
+    digest
+}

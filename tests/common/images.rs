@@ -357,3 +357,192 @@ pub fn pause_image() -> &'static TestImage {
     static PAUSE: OnceLock<TestImage> = OnceLock::new();
     PAUSE.get_or_init(|| TestImage::build(PAUSE_IMAGE, 0, &["/bin/busybox", "sleep", "86400"], 0))
 }
+
+/// This host's architecture as containerd names it (GOARCH).
+pub fn host_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "powerpc64" => "ppc64le",
+        a => a,
+    }
+}
+
+/// `n` architectures other than this host's, for the foreign entries of a
+/// multi-platform index.
+pub fn other_archs(n: usize) -> Vec<&'static str> {
+    ["arm64", "s390x", "ppc64le", "riscv64"]
+        .into_iter()
+        .filter(|a| *a != host_arch())
+        .take(n)
+        .collect()
+}
+
+/// A small image of one platform, built in memory: a config naming
+/// `linux/<arch>` and one uncompressed layer holding `/platform.txt`. Used
+/// for the entries of a multi-platform index: real blobs, written where a
+/// test wants them.
+pub struct PlatformImage {
+    pub arch: String,
+    pub layer: Vec<u8>,
+    pub config: Vec<u8>,
+    pub manifest: Vec<u8>,
+}
+
+impl PlatformImage {
+    pub fn new(arch: &str, text: &str) -> PlatformImage {
+        let data = format!("{text} for linux/{arch}\n");
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, "platform.txt", data.as_bytes())
+            .expect("tar");
+        let layer = b.into_inner().expect("tar");
+        let config = serde_json::json!({
+            "architecture": arch,
+            "os": "linux",
+            "config": {"Cmd": ["/bin/cat", "/platform.txt"]},
+            "rootfs": {"type": "layers", "diff_ids": [sha256_digest(&layer)]},
+        })
+        .to_string()
+        .into_bytes();
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": sha256_digest(&config), "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                        "digest": sha256_digest(&layer), "size": layer.len()}],
+        })
+        .to_string()
+        .into_bytes();
+        PlatformImage {
+            arch: arch.into(),
+            layer,
+            config,
+            manifest,
+        }
+    }
+
+    pub fn manifest_digest(&self) -> String {
+        sha256_digest(&self.manifest)
+    }
+
+    pub fn layer_digest(&self) -> String {
+        sha256_digest(&self.layer)
+    }
+
+    /// Its entry in an index, with its platform.
+    pub fn entry(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": self.manifest_digest(),
+            "size": self.manifest.len(),
+            "platform": {"architecture": self.arch, "os": "linux"},
+        })
+    }
+
+    /// Every blob, children first.
+    pub fn blobs(&self) -> [&[u8]; 3] {
+        [&self.layer, &self.config, &self.manifest]
+    }
+}
+
+/// An OCI image index (bytes) of `entries`.
+pub fn index_of(entries: &[serde_json::Value]) -> Vec<u8> {
+    serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": entries,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// A multi-platform index in an OCI layout: `img` (built for this host)
+/// and one [`PlatformImage`] per other architecture, all blobs real.
+pub struct MultiPlatform {
+    pub others: Vec<PlatformImage>,
+    pub index: Vec<u8>,
+    tag: String,
+    layout: PathBuf,
+    _dir: TempDir,
+}
+
+impl MultiPlatform {
+    pub fn new(img: &TestImage, archs: &[&str]) -> MultiPlatform {
+        let dir = tempdir("multi-platform-");
+        let layout = dir.path().join("oci");
+        let mut cp = Command::new("cp");
+        cp.arg("-a").arg(img.layout()).arg(&layout);
+        run_ok(cp);
+        let manifest = img.manifest_digest();
+        let size = fs::metadata(blob_file(&layout, &manifest))
+            .expect("host manifest")
+            .len();
+        let host = serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest,
+            "size": size,
+            "platform": {"architecture": host_arch(), "os": "linux"},
+        });
+        let others: Vec<_> = archs
+            .iter()
+            .map(|a| PlatformImage::new(a, &img.name_tag()))
+            .collect();
+        let mut entries = vec![host];
+        for o in &others {
+            for b in o.blobs() {
+                fs::write(blob_file(&layout, &sha256_digest(b)), b).expect("write blob");
+            }
+            entries.push(o.entry());
+        }
+        let index = index_of(&entries);
+        fs::write(blob_file(&layout, &sha256_digest(&index)), &index).expect("write index");
+        let layout_index = serde_json::json!({
+            "schemaVersion": 2,
+            "manifests": [{
+                "mediaType": "application/vnd.oci.image.index.v1+json",
+                "digest": sha256_digest(&index),
+                "size": index.len(),
+                "annotations": {"org.opencontainers.image.ref.name": img.tag},
+            }],
+        });
+        fs::write(layout.join("index.json"), layout_index.to_string()).expect("index.json");
+        MultiPlatform {
+            others,
+            index,
+            tag: img.tag.clone(),
+            layout,
+            _dir: dir,
+        }
+    }
+
+    pub fn index_digest(&self) -> String {
+        sha256_digest(&self.index)
+    }
+
+    /// Pushes every platform to the plain-HTTP registry at `registry_addr`
+    /// as `<addr>/<repo>:<tag>`; returns that reference.
+    pub fn push(&self, registry_addr: &str, repo: &str) -> String {
+        let dest = format!("{registry_addr}/{repo}:{}", self.tag);
+        skopeo([
+            "copy".to_string(),
+            "--quiet".into(),
+            "--all".into(),
+            "--preserve-digests".into(),
+            "--dest-tls-verify=false".into(),
+            format!("oci:{}:{}", self.layout.display(), self.tag),
+            format!("docker://{dest}"),
+        ]);
+        dest
+    }
+}
+
+fn blob_file(layout: &Path, digest: &str) -> PathBuf {
+    layout
+        .join("blobs/sha256")
+        .join(digest.trim_start_matches("sha256:"))
+}
