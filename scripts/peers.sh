@@ -8,6 +8,9 @@
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl, or
 #       spegel.
+#   scripts/peers.sh fetch helm
+#       helm (bindir holds helm): not a client of the integration tests but
+#       the chart checker of scripts/test.sh, so not fetched by default.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -39,6 +42,9 @@ die() { log "ERROR: $*"; exit 1; }
 
 # Sets $module, $binaries and $units (see scripts/lib/gobuild.sh) for peer
 # $1 at version $2, with the flags of upstream's release builds:
+#   helm      Makefile build: CGO_ENABLED=0, -trimpath, ldflags "-w -s -X
+#             internal/version.version=<tag> -X internal/version.metadata="
+#             (empty for a tag); `helm version` prints the tag.
 #   buildkit  Dockerfile stages buildctl/buildkitd: CGO_ENABLED=0, ldflags
 #             -X version.{Version,Revision,Package}; buildkitd also with
 #             -extldflags '-static' and tags "osusergo netgo static_build
@@ -60,6 +66,11 @@ die() { log "ERROR: $*"; exit 1; }
 peer_spec() { # name version
     local ver="$2" ld
     case "$1" in
+        helm)
+            module=helm.sh/helm/v4
+            binaries=(helm)
+            units=("0||-w -s -X $module/internal/version.version=$ver -X $module/internal/version.metadata=|-trimpath|$module/cmd/helm")
+            ;;
         buildkit)
             module=github.com/moby/buildkit
             binaries=(buildkitd buildctl)
@@ -84,7 +95,7 @@ peer_spec() { # name version
             binaries=(spegel)
             units=("0||-s -w|-trimpath|$module")
             ;;
-        *) die "unknown peer '$1' (known: ${all_names[*]})" ;;
+        *) die "unknown peer '$1' (known: ${all_names[*]} helm)" ;;
     esac
 }
 
@@ -94,6 +105,11 @@ check_peer() { # bindir; uses $name $ver $binaries $module
     local b out
     for b in "${binaries[@]}"; do
         [[ -x "$1/$b" ]] || die "peer $name: $1/$b missing"
+        if [[ "$name" == helm ]]; then # no --version flag
+            out="$("$1/$b" version --template '{{.Version}}' 2>&1)" || die "peer $name: $1/$b version failed: $out"
+            [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
+            continue
+        fi
         if [[ "$name" == spegel ]]; then
             "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
             out="$("$(gobuild_find_go)" version -m "$1/$b" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m { print $3 }')"
@@ -130,6 +146,9 @@ verify_peer() { # name; run in a subshell
     gobuild_verify "$name" "$go" "${units[@]}"
 }
 
+# helm (the chart checker) is one more pin for `versions`.
+[[ " ${gobuild_peer_names[*]} " == *" helm "* ]] || gobuild_peer_names+=(helm)
+
 cmd="${1:-}"
 case "$cmd" in
     fetch | verify)
@@ -142,7 +161,7 @@ case "$cmd" in
         gobuild_all_pins
         ;;
     *)
-        echo "usage: $0 fetch [NAME...] | versions | verify [NAME...]   (names: ${all_names[*]})" >&2
+        echo "usage: $0 fetch [NAME...] | versions | verify [NAME...]   (names: ${all_names[*]} helm)" >&2
         exit 2
         ;;
 esac
