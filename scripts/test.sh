@@ -20,8 +20,8 @@ fi
 
 # Tools the harness needs: the binaries, plus a static busybox for test images.
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
-# readiness; make/gcc: jemalloc is built from source.
-needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc)
+# readiness; make/gcc: jemalloc is built from source; yq/jq: the chart test.
+needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc yq jq)
 missing=()
 for bin in "${needed_bins[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
@@ -36,7 +36,8 @@ else
     apt-get update
     apt-get install -y --no-install-recommends \
         containerd runc protobuf-compiler skopeo umoci busybox-static \
-        docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev
+        docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev \
+        yq jq
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -61,6 +62,16 @@ cargo clippy --all-targets -- -D warnings
 
 echo "==> cargo test --lib --bins (unit tests, once)"
 cargo test --lib --bins -- --test-threads=2
+
+# The Helm chart: helm lint and helm template for every runtime preset, each
+# rendered config.toml loaded by the debug binary (built here, as the
+# integration tests below need it anyway), the static-pod rendering. helm
+# is a pinned Go peer (tests/peers/helm), built once into the peers' cache.
+stage_start=$SECONDS
+echo "==> chart: scripts/test-chart.sh"
+cargo build --bin imgbridge
+scripts/test-chart.sh target/debug/imgbridge
+echo "    (chart checked in $((SECONDS - stage_start)) s)"
 
 # The integration tests run once per containerd of the version matrix:
 # Debian bookworm's 1.6 (the system package), trixie's 1.7, sid's 2.1 and the
