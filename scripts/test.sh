@@ -20,8 +20,9 @@ fi
 
 # Tools the harness needs: the binaries, plus a static busybox for test images.
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
-# readiness; make/gcc: jemalloc is built from source; yq/jq: the chart test.
-needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc yq jq)
+# readiness; make/gcc: jemalloc is built from source; yq/jq: the chart test;
+# musl-gcc/file/objcopy: the static release binary (test-packaging.sh).
+needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc yq jq musl-gcc file objcopy)
 missing=()
 for bin in "${needed_bins[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
@@ -37,7 +38,7 @@ else
     apt-get install -y --no-install-recommends \
         containerd runc protobuf-compiler skopeo umoci busybox-static \
         docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev \
-        yq jq
+        yq jq musl-tools file binutils
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -127,11 +128,16 @@ if [[ $failed -ne 0 ]]; then
     exit 1
 fi
 
-# Builds the .deb, installs it with dpkg and verifies the units (CI machines
-# are throwaway). IMGBRIDGE_SKIP_PACKAGING=1 skips it on a developer machine.
+# scripts/release.sh (static binary, tarball, .deb, OCI image, chart, SBOM),
+# then every artefact checked: the binary in an empty root, the image
+# imported and run, a second image/chart build byte for byte, the .deb
+# installed with dpkg (CI machines are throwaway). IMGBRIDGE_SKIP_PACKAGING=1
+# skips it on a developer machine.
 if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" == "1" ]]; then
     echo "==> packaging test skipped (IMGBRIDGE_SKIP_PACKAGING=1)"
 else
     echo "==> scripts/test-packaging.sh"
+    stage_start=$SECONDS
     scripts/test-packaging.sh
+    echo "    (packaging checked in $((SECONDS - stage_start)) s)"
 fi
