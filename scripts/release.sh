@@ -16,8 +16,8 @@
 # gives the same binary, tarball, image and chart bytes.
 #
 # Environment:
-#   IMGBRIDGE_ARCHS   architectures (default "x86_64"; "x86_64 aarch64" for
-#                     both: see scripts/build-static.sh for what arm64 needs)
+#   IMGBRIDGE_ARCHS   architectures (default "x86_64 aarch64"; see
+#                     scripts/build-static.sh for the toolchain of each)
 #   IMGBRIDGE_TOOLS   where missing cargo tools are installed
 #                     (default ${XDG_CACHE_HOME:-~/.cache}/imgbridge-tools)
 set -euo pipefail
@@ -35,7 +35,23 @@ commit="$(git rev-parse HEAD)"
     log "WARNING: uncommitted changes: the artefacts are not those of $commit"
 SOURCE_DATE_EPOCH="$(git log -1 --format=%ct)"
 export SOURCE_DATE_EPOCH LC_ALL=C TZ=UTC
-read -ra archs <<<"${IMGBRIDGE_ARCHS:-x86_64}"
+read -ra archs <<<"${IMGBRIDGE_ARCHS:-x86_64 aarch64}"
+# Debian packages the build needs; installed when missing (as root).
+have() { command -v "$1" >/dev/null 2>&1; }
+need_pkgs=()
+have musl-gcc || need_pkgs+=(musl-tools)
+have objcopy || need_pkgs+=(binutils)
+have jq || need_pkgs+=(jq)
+if [[ " ${archs[*]} " == *" aarch64 "* ]]; then
+    have aarch64-linux-gnu-gcc || need_pkgs+=(gcc-aarch64-linux-gnu)
+    [[ -f /usr/aarch64-linux-gnu/lib/libc.a ]] || need_pkgs+=(libc6-dev-arm64-cross)
+fi
+if ((${#need_pkgs[@]})); then
+    [[ "$(id -u)" == 0 ]] || die "missing Debian packages: ${need_pkgs[*]} (apt-get install them, or run as root)"
+    log "installing ${need_pkgs[*]} with apt"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >&2
+fi
 tools="${IMGBRIDGE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/imgbridge-tools}"
 dist="$repo_root/dist"
 stage="$repo_root/target/release-stage"
