@@ -8,14 +8,14 @@
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl, or
 #       spegel.
-#   scripts/peers.sh fetch helm
-#       helm (bindir holds helm): not a client of the integration tests but
-#       the chart checker of scripts/test.sh, so not fetched by default.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
 #       checks that each build uses upstream's own dependency versions and
 #       mirrors its exclude/replace directives (needs network)
+#   scripts/peers.sh fetch helm
+#       helm (bindir holds helm): not a client of the integration tests but
+#       the chart checker of scripts/test.sh, so not fetched by default.
 #
 # Environment:
 #   IMGBRIDGE_CACHE   cache root (default /var/cache/imgbridge-test); builds go
@@ -95,7 +95,7 @@ peer_spec() { # name version
             binaries=(spegel)
             units=("0||-s -w|-trimpath|$module")
             ;;
-        *) die "unknown peer '$1' (known: ${all_names[*]} helm)" ;;
+        *) die "unknown peer '$1' (known: ${all_names[*]})" ;;
     esac
 }
 

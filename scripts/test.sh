@@ -20,14 +20,17 @@ fi
 
 # Tools the harness needs: the binaries, plus a static busybox for test images.
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
-# readiness; make/gcc: jemalloc is built from source; yq/jq: the chart test;
-# musl-gcc/file/objcopy: the static release binary (test-packaging.sh).
-needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc yq jq musl-gcc file objcopy)
+# readiness; make/gcc: jemalloc is built from source.
+needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc)
 missing=()
 for bin in "${needed_bins[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
 [[ -x /bin/busybox ]] || missing+=(/bin/busybox)
+# yq/jq: the chart test; musl-gcc/file/objcopy: the static release binary.
+for bin in yq jq musl-gcc file objcopy; do
+    command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+done
 
 if [[ "${IMGBRIDGE_SKIP_APT:-0}" == "1" && ${#missing[@]} -eq 0 ]]; then
     echo "==> apt skipped (IMGBRIDGE_SKIP_APT=1, all tools present)"
