@@ -13,9 +13,8 @@
 # The Rust standard library of each target comes from rustup. What is
 # missing is named.
 #
-# Reproducible: --locked, the cargo home remapped out of panic locations
-# (the workspace's own paths are relative already), and the git commit
-# stamped by build.rs; the binary keeps line tables (profile.release
+# Reproducible: --locked, the checkout, target dir and cargo home remapped
+# out of panic locations, and the git commit stamped by build.rs; the binary keeps line tables (profile.release
 # debug = 1) for the .deb's -dbgsym package, release.sh strips its copies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +23,7 @@ die() { echo "build-static: $*" >&2; exit 1; }
 log() { echo "build-static: $*" >&2; }
 
 cargo_home="${CARGO_HOME:-$HOME/.cargo}"
+target_dir="${CARGO_TARGET_DIR:-$PWD/target}"
 
 need_target() { # rust triple
     rustup target list --installed 2>/dev/null | grep -x "$1" >/dev/null && return 0
@@ -61,11 +61,15 @@ build() { # arch
     esac
     need_target "$triple"
     env_triple="$(tr 'a-z-' 'A-Z_' <<<"$triple")"
-    # Only the target's crates get these flags (not build scripts, which run here).
-    export "CARGO_TARGET_${env_triple}_RUSTFLAGS=-C target-feature=+crt-static --remap-path-prefix=$cargo_home=/cargo"
+    # Only the target's crates get these flags (not build scripts, which run
+    # here). The remaps keep where this checkout, its target dir (code
+    # generated into OUT_DIR) and the cargo home are out of panic locations;
+    # cargo leaves --remap-path-prefix out of its crate hashes, so symbol
+    # names and the binary do not depend on them.
+    export "CARGO_TARGET_${env_triple}_RUSTFLAGS=-C target-feature=+crt-static --remap-path-prefix=$PWD=/build --remap-path-prefix=$target_dir=/build/target --remap-path-prefix=$cargo_home=/cargo"
     log "cargo build --release --locked --target $triple"
     cargo build --release --locked --target "$triple" --bin imgbridge >&2
-    local bin="$PWD/target/$triple/release/imgbridge"
+    local bin="$target_dir/$triple/release/imgbridge"
     # Static: no program interpreter, no shared library needed.
     if readelf -lW "$bin" | grep INTERP >/dev/null || readelf -dW "$bin" | grep NEEDED >/dev/null; then
         die "$bin is not static: $(readelf -dW "$bin" | grep NEEDED)"

@@ -149,7 +149,11 @@ helm="$(scripts/peers.sh fetch helm | awk '{print $3}')/helm"
 cyclonedx="$(cargo_tool cargo-cyclonedx 0.5.9 cargo-cyclonedx)"
 "$cyclonedx" cyclonedx --format json --spec-version 1.5 --target x86_64-unknown-linux-musl \
     --no-build-deps --override-filename "imgbridge-$version.cdx" >&2
-mv "imgbridge-$version.cdx.json" "$dist/"
+# Its refs name this checkout's path (cargo's package id of imgbridge):
+# the same fixed path for every checkout, so the SBOM is reproducible too.
+sed "s|path+file://$repo_root#|path+file:///build#|g" "imgbridge-$version.cdx.json" >"$dist/imgbridge-$version.cdx.json"
+rm "imgbridge-$version.cdx.json"
+grep -F "$repo_root" "$dist/imgbridge-$version.cdx.json" >/dev/null && die "the SBOM still names $repo_root"
 
 # ------------------------------------------------------------------ checksums
 (cd "$dist" && sha256sum -- * >SHA256SUMS.tmp && mv SHA256SUMS.tmp SHA256SUMS)
