@@ -67,6 +67,10 @@ build() { # arch
     # cargo leaves --remap-path-prefix out of its crate hashes, so symbol
     # names and the binary do not depend on them.
     export "CARGO_TARGET_${env_triple}_RUSTFLAGS=-C target-feature=+crt-static --remap-path-prefix=$PWD=/build --remap-path-prefix=$target_dir=/build/target --remap-path-prefix=$cargo_home=/cargo"
+    # The same for the C code's debug info (jemalloc's build dir, zstd's
+    # sources): the linker's build id hashes it, and the build id stays in
+    # the stripped copies.
+    export "CFLAGS_${triple//-/_}=-ffile-prefix-map=$target_dir=/build/target -ffile-prefix-map=$cargo_home=/cargo"
     log "cargo build --release --locked --target $triple"
     cargo build --release --locked --target "$triple" --bin imgbridge >&2
     local bin="$target_dir/$triple/release/imgbridge"

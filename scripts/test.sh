@@ -132,9 +132,9 @@ if [[ $failed -ne 0 ]]; then
 fi
 
 # scripts/release.sh (static binary, tarball, .deb, OCI image, chart, SBOM),
-# then every artefact checked: the binary in an empty root, the image
-# imported and run, a second image/chart build byte for byte, the .deb
-# installed with dpkg (CI machines are throwaway). IMGBRIDGE_SKIP_PACKAGING=1
+# run twice (the same bytes), then every artefact checked: the binary in an
+# empty root, the image imported and run, the .deb installed with dpkg (CI
+# machines are throwaway). IMGBRIDGE_SKIP_PACKAGING=1
 # skips it on a developer machine.
 if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" == "1" ]]; then
     echo "==> packaging test skipped (IMGBRIDGE_SKIP_PACKAGING=1)"
