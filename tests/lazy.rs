@@ -545,3 +545,234 @@ async fn resume_write(sock: &Path, data: &[u8]) {
     let reply = replies.message().await.unwrap().expect("COMMIT reply");
     assert_eq!(reply.digest, digest);
 }
+
+/// How a client that pipelines lays out one blob's `Content.Write`
+/// messages. Each holds a COMMIT after another message, so the first reply
+/// after the COMMIT went out is not the COMMIT's.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// WRITE with all the data, then COMMIT.
+    Pair,
+    /// STAT, the data in four WRITEs, COMMIT.
+    Chunked,
+    /// STAT, then one message with all the data that COMMITs.
+    OneMessage,
+}
+
+impl Layout {
+    /// Every message for `data`, built before the call starts.
+    fn requests(self, data: &[u8], reference: &str) -> Vec<api::WriteContentRequest> {
+        let digest = sha256_digest(data);
+        let total = data.len() as i64;
+        let msg = |action: api::WriteAction| api::WriteContentRequest {
+            action: action as i32,
+            r#ref: reference.into(),
+            total,
+            expected: digest.clone(),
+            ..Default::default()
+        };
+        let commit = api::WriteContentRequest {
+            offset: total,
+            ..msg(api::WriteAction::Commit)
+        };
+        let write = |offset: usize, chunk: &[u8]| api::WriteContentRequest {
+            offset: offset as i64,
+            data: chunk.to_vec(),
+            ..msg(api::WriteAction::Write)
+        };
+        match self {
+            Layout::Pair => vec![write(0, data), commit],
+            Layout::Chunked => {
+                let mut m = vec![msg(api::WriteAction::Stat)];
+                let size = data.len().div_ceil(4).max(1);
+                for (i, chunk) in data.chunks(size).enumerate() {
+                    m.push(write(i * size, chunk));
+                }
+                m.push(commit);
+                m
+            }
+            Layout::OneMessage => vec![
+                msg(api::WriteAction::Stat),
+                api::WriteContentRequest {
+                    offset: 0,
+                    data: data.to_vec(),
+                    ..msg(api::WriteAction::Commit)
+                },
+            ],
+        }
+    }
+}
+
+type Replies = tonic::Streaming<api::WriteContentResponse>;
+
+/// `Content.Write` as a streaming client (containerd-client/tonic, Python)
+/// may do it: every message goes before any reply is read. Returns at the
+/// COMMIT reply — where the client's write is done — with the rest of the
+/// replies, or `None` when the blob was already there (ALREADY_EXISTS).
+async fn write_pipelined(
+    sock: &Path,
+    data: &[u8],
+    layout: Layout,
+) -> Result<Option<Replies>, tonic::Status> {
+    let digest = sha256_digest(data);
+    let reference = format!("pipelined/{}", &digest[7..23]);
+    let requests = layout.requests(data, &reference);
+    let mut content = content_client(sock).await;
+    let stream = tokio_stream::iter(requests);
+    let mut replies = match content.write(with_ns(stream, SRC)).await {
+        Ok(r) => r.into_inner(),
+        Err(e) if e.code() == tonic::Code::AlreadyExists => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    loop {
+        match replies.message().await {
+            Ok(Some(r)) if r.action == api::WriteAction::Commit as i32 => {
+                assert_eq!(r.digest, digest);
+                return Ok(Some(replies));
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("{layout:?}: the write ended without a COMMIT reply"),
+            Err(e) if e.code() == tonic::Code::AlreadyExists => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `digest` is in `k8s.io`, asked of containerd itself.
+async fn in_k8s(k8s: &mut ContentClient, digest: &str) -> bool {
+    let info = api::InfoRequest {
+        digest: digest.into(),
+    };
+    match k8s.info(with_ns(info, "k8s.io")).await {
+        Ok(_) => true,
+        Err(e) if e.code() == tonic::Code::NotFound => false,
+        Err(e) => panic!("Content.Info {digest} in k8s.io: {e:?}"),
+    }
+}
+
+type ContentClient =
+    containerd_client::services::v1::content_client::ContentClient<tonic::transport::Channel>;
+
+/// Writes `data` pipelined through `sock`; `Some` with how long the blob
+/// took to show up in `k8s.io` (a miss) when it was not there at the
+/// COMMIT reply (or at ALREADY_EXISTS).
+async fn pipelined_miss(
+    sock: &Path,
+    k8s: &ContentClient,
+    data: &[u8],
+    layout: Layout,
+) -> Option<Duration> {
+    let mut k8s = k8s.clone();
+    let digest = sha256_digest(data);
+    let rest = write_pipelined(sock, data, layout)
+        .await
+        .unwrap_or_else(|e| panic!("{layout:?} write: {e:?}"));
+    let done = std::time::Instant::now();
+    let there = in_k8s(&mut k8s, &digest).await;
+    if let Some(mut rest) = rest {
+        while rest
+            .message()
+            .await
+            .expect("the rest of the replies")
+            .is_some()
+        {}
+    }
+    if there {
+        return None;
+    }
+    let arrived = poll_async(Duration::from_secs(10), || {
+        let (mut k8s, digest) = (k8s.clone(), digest.clone());
+        async move { in_k8s(&mut k8s, &digest).await.then(|| done.elapsed()) }
+    })
+    .await;
+    Some(arrived.unwrap_or(Duration::MAX))
+}
+
+/// `rounds` exports in buildkit's order (config, manifest, the image
+/// named, then the lazy layers) whose layers a pipelining client writes:
+/// each layer must be in `k8s.io` the moment its COMMIT reply arrives.
+/// With `cri`, a container is also created from the tag at once.
+async fn pipelined_rounds(isolated: bool, layout: Layout, rounds: usize, cri: bool) {
+    let c = Containerd::start(opts(isolated));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/pipelined:dev";
+    let mut sandbox = match cri {
+        true => Some(Sandbox::start(c.socket()).await),
+        false => None,
+    };
+    let mut misses = Vec::new();
+    for n in 0..rounds {
+        let text = format!("pipelined-{n}-{}", unique_name("x"));
+        let b = Build::new(&busybox, &text);
+        b.export_record(p.socket(), name).await;
+        let writes = (b.layers.iter()).map(|l| pipelined_miss(p.socket(), &k8s, l, layout));
+        for (l, miss) in b
+            .layers
+            .iter()
+            .zip(futures_util::future::join_all(writes).await)
+        {
+            if let Some(late) = miss {
+                misses.push(format!(
+                    "round {n}: {} in k8s.io {late:?} after its COMMIT reply",
+                    sha256_digest(l)
+                ));
+            }
+        }
+        if let Some(sandbox) = sandbox.as_mut() {
+            match sandbox.create(name, n).await {
+                Ok(id) => sandbox.remove(&id).await,
+                Err(e) => misses.push(format!(
+                    "round {n}: CreateContainer {} {}",
+                    e.code(),
+                    e.message()
+                )),
+            }
+        }
+    }
+    if let Some(sandbox) = sandbox {
+        sandbox.stop().await;
+    }
+    assert!(
+        misses.is_empty(),
+        "{layout:?} (isolated: {isolated}): {} misses in {rounds} rounds:\n{}\n{}",
+        misses.len(),
+        misses.join("\n"),
+        p.log_tail()
+    );
+}
+
+/// The reproduction: WRITE and COMMIT sent together, in buildkit's
+/// exporter order, with a container created the moment the layers return.
+#[tokio::test]
+async fn pipelined_write_commit_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(false, Layout::Pair, 100, true).await;
+}
+
+#[tokio::test]
+async fn pipelined_write_commit_isolated_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(true, Layout::Pair, 100, true).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_writes_commit_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(false, Layout::Chunked, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_writes_commit_isolated_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply(
+) {
+    pipelined_rounds(true, Layout::Chunked, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_and_one_write_commit_message_100_rounds_every_layer_is_in_k8s_io() {
+    pipelined_rounds(false, Layout::OneMessage, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_and_one_write_commit_message_isolated_100_rounds_every_layer_is_in_k8s_io()
+{
+    pipelined_rounds(true, Layout::OneMessage, 100, false).await;
+}
