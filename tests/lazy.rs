@@ -677,15 +677,21 @@ async fn pipelined_miss(
             .is_some()
         {}
     }
-    if there {
-        return None;
+    match there {
+        true => None,
+        false => Some(late(&k8s, &digest, done).await),
     }
+}
+
+/// How long after `done` the blob `digest` showed up in `k8s.io` (for a
+/// miss's report; `Duration::MAX`: not within 10 s).
+async fn late(k8s: &ContentClient, digest: &str, done: std::time::Instant) -> Duration {
     let arrived = poll_async(Duration::from_secs(10), || {
-        let (mut k8s, digest) = (k8s.clone(), digest.clone());
-        async move { in_k8s(&mut k8s, &digest).await.then(|| done.elapsed()) }
+        let mut k8s = k8s.clone();
+        async move { in_k8s(&mut k8s, digest).await.then(|| done.elapsed()) }
     })
     .await;
-    Some(arrived.unwrap_or(Duration::MAX))
+    arrived.unwrap_or(Duration::MAX)
 }
 
 /// `rounds` exports in buildkit's order (config, manifest, the image
@@ -775,4 +781,52 @@ async fn pipelined_stat_and_one_write_commit_message_100_rounds_every_layer_is_i
 async fn pipelined_stat_and_one_write_commit_message_isolated_100_rounds_every_layer_is_in_k8s_io()
 {
     pipelined_rounds(true, Layout::OneMessage, 100, false).await;
+}
+
+/// A client that names the image and writes its lazy layers at once: the
+/// Update/Create and the layer writes on the wire together, none waiting
+/// for another's reply. Once every call has returned, every layer is in
+/// `k8s.io` — also a layer committed after the replication looked for it
+/// and before it noted that the image waits for it (that COMMIT reply
+/// found nothing to hold). The writes start staggered by up to 5 ms so
+/// that over the rounds their commits fall all along the replication.
+#[tokio::test]
+async fn create_and_layer_writes_sent_together_100_rounds_every_layer_is_in_k8s_io() {
+    let c = Containerd::start(opts(false));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/together:dev";
+    let mut misses = Vec::new();
+    for n in 0..100u64 {
+        let b = Build::new(&busybox, &format!("together-{n}-{}", unique_name("x")));
+        write(p.socket(), &b.config, &[]).await.unwrap();
+        let labels = b.manifest_labels();
+        write(p.socket(), &b.manifest, &labels).await.unwrap();
+        let stagger = Duration::from_micros(n % 26 * 200);
+        let sock = p.socket();
+        let layers = futures_util::future::join_all(b.layers.iter().map(|l| async move {
+            tokio::time::sleep(stagger).await; // the stagger, not a wait for anything
+            write(sock, l, &[]).await.expect("layer write");
+        }));
+        let target = b.target();
+        tokio::join!(name_image(sock, name, &target), layers);
+        let done = std::time::Instant::now();
+        for l in &b.layers {
+            let digest = sha256_digest(l);
+            if !in_k8s(&mut k8s.clone(), &digest).await {
+                let late = late(&k8s, &digest, done).await;
+                misses.push(format!(
+                    "round {n}: {digest} in k8s.io {late:?} after the calls returned"
+                ));
+            }
+        }
+    }
+    assert!(
+        misses.is_empty(),
+        "{} misses in 100 rounds:\n{}\n{}",
+        misses.len(),
+        misses.join("\n"),
+        p.log_tail()
+    );
 }

@@ -306,6 +306,20 @@ impl Replicator {
         }
     }
 
+    /// Blobs just noted as missing that are in `source` by now, linked
+    /// (a client that writes them without waiting for the image's reply
+    /// may have committed one since the walk looked: that COMMIT reply was
+    /// not held, as nothing waited for the blob yet). Costs one
+    /// `Content.Info` per missing blob, at once.
+    pub async fn arrived_meanwhile(&self, source: &str, missing: &[Child]) {
+        let links = missing.iter().map(|c| async move {
+            if let Ok(Some(_)) = self.c.content_info(source, &c.digest).await {
+                self.committed(source, &c.digest).await;
+            }
+        });
+        futures_util::future::join_all(links).await;
+    }
+
     /// Links a claimed blob into each of its targets if it is in the source.
     async fn link_job(&self, job: &Job) -> Linked {
         match self.c.content_info(job.source(), &job.child.digest).await {
