@@ -476,28 +476,7 @@ async fn write_resumed_on_another_connection_links_before_its_commit_returns() {
 async fn resume_write(sock: &Path, data: &[u8]) {
     let digest = sha256_digest(data);
     let reference = format!("resume/{}", &digest[7..23]);
-    let half = data.len() / 2;
-    {
-        let mut content = content_client(sock).await;
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tx.send(api::WriteContentRequest {
-            action: api::WriteAction::Write as i32,
-            r#ref: reference.clone(),
-            total: data.len() as i64,
-            expected: digest.clone(),
-            data: data[..half].to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let mut replies = content
-            .write(with_ns(ReceiverStream::new(rx), SRC))
-            .await
-            .unwrap()
-            .into_inner();
-        replies.message().await.unwrap();
-        // Dropped without COMMIT: the ingest stays, unlocked.
-    }
+    let half = write_first_half(sock, data, &reference).await;
     let resumed = poll_async(Duration::from_secs(10), || async {
         let mut content = content_client(sock).await;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -546,6 +525,32 @@ async fn resume_write(sock: &Path, data: &[u8]) {
     assert_eq!(reply.digest, digest);
 }
 
+/// Writes the first half of `data` under `reference` and drops the call
+/// without COMMIT: the ingest stays, unlocked once containerd sees the
+/// writer gone. Returns where the rest starts.
+async fn write_first_half(sock: &Path, data: &[u8], reference: &str) -> usize {
+    let half = data.len() / 2;
+    let mut content = content_client(sock).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(api::WriteContentRequest {
+        action: api::WriteAction::Write as i32,
+        r#ref: reference.into(),
+        total: data.len() as i64,
+        expected: sha256_digest(data),
+        data: data[..half].to_vec(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut replies = content
+        .write(with_ns(ReceiverStream::new(rx), SRC))
+        .await
+        .unwrap()
+        .into_inner();
+    replies.message().await.unwrap();
+    half
+}
+
 /// How a client that pipelines lays out one blob's `Content.Write`
 /// messages. Each holds a COMMIT after another message, so the first reply
 /// after the COMMIT went out is not the COMMIT's.
@@ -557,6 +562,10 @@ enum Layout {
     Chunked,
     /// STAT, then one message with all the data that COMMITs.
     OneMessage,
+    /// The second half of a write resumed (the first half is in the
+    /// ingest, see [`write_first_half`]): STAT, WRITE at that offset,
+    /// COMMIT.
+    Resumed,
 }
 
 impl Layout {
@@ -591,6 +600,14 @@ impl Layout {
                 m.push(commit);
                 m
             }
+            Layout::Resumed => {
+                let half = data.len() / 2;
+                vec![
+                    msg(api::WriteAction::Stat),
+                    write(half, &data[half..]),
+                    commit,
+                ]
+            }
             Layout::OneMessage => vec![
                 msg(api::WriteAction::Stat),
                 api::WriteContentRequest {
@@ -615,8 +632,7 @@ async fn write_pipelined(
     layout: Layout,
 ) -> Result<Option<Replies>, tonic::Status> {
     let digest = sha256_digest(data);
-    let reference = format!("pipelined/{}", &digest[7..23]);
-    let requests = layout.requests(data, &reference);
+    let requests = layout.requests(data, &pipelined_ref(&digest));
     let mut content = content_client(sock).await;
     let stream = tokio_stream::iter(requests);
     let mut replies = match content.write(with_ns(stream, SRC)).await {
@@ -636,6 +652,11 @@ async fn write_pipelined(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// The ingest a pipelined write of `digest` uses.
+fn pipelined_ref(digest: &str) -> String {
+    format!("pipelined/{}", &digest[7..23])
 }
 
 /// Whether `digest` is in `k8s.io`, asked of containerd itself.
@@ -825,6 +846,52 @@ async fn create_and_layer_writes_sent_together_100_rounds_every_layer_is_in_k8s_
     assert!(
         misses.is_empty(),
         "{} misses in 100 rounds:\n{}\n{}",
+        misses.len(),
+        misses.join("\n"),
+        p.log_tail()
+    );
+}
+
+/// A write aborted half-way and resumed on another connection by a
+/// pipelining client: STAT, the rest (offset > 0) and the COMMIT sent
+/// together. The layer is in `k8s.io` at that COMMIT's reply.
+#[tokio::test]
+async fn pipelined_resumed_write_20_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    let c = Containerd::start(opts(false));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/pipelined-resume:dev";
+    let mut misses = Vec::new();
+    for n in 0..20 {
+        let b = Build::new(&busybox, &format!("resumed-{n}-{}", unique_name("x")));
+        b.export_record(p.socket(), name).await;
+        write(p.socket(), &b.layers[0], &[]).await.unwrap();
+        let lazy = &b.layers[1];
+        let digest = sha256_digest(lazy);
+        write_first_half(p.socket(), lazy, &pipelined_ref(&digest)).await;
+        // Until containerd has seen the first writer go, the ingest is locked.
+        let rest = poll_async(Duration::from_secs(10), || async {
+            write_pipelined(p.socket(), lazy, Layout::Resumed)
+                .await
+                .ok()
+        })
+        .await
+        .expect("the resumed write commits once the ingest unlocks")
+        .expect("the rest written and committed, not ALREADY_EXISTS");
+        let done = std::time::Instant::now();
+        let there = in_k8s(&mut k8s.clone(), &digest).await;
+        drop(rest);
+        if !there {
+            let late = late(&k8s, &digest, done).await;
+            misses.push(format!(
+                "round {n}: {digest} in k8s.io {late:?} after its COMMIT reply"
+            ));
+        }
+    }
+    assert!(
+        misses.is_empty(),
+        "{} misses in 20 rounds:\n{}\n{}",
         misses.len(),
         misses.join("\n"),
         p.log_tail()
