@@ -715,6 +715,25 @@ async fn late(k8s: &ContentClient, digest: &str, done: std::time::Instant) -> Du
     arrived.unwrap_or(Duration::MAX)
 }
 
+/// `None` when `digest` is in `k8s.io` now, else how late it came.
+async fn lateness(k8s: &ContentClient, digest: &str, done: std::time::Instant) -> Option<Duration> {
+    match in_k8s(&mut k8s.clone(), digest).await {
+        true => None,
+        false => Some(late(k8s, digest, done).await),
+    }
+}
+
+/// Fails with every miss of `rounds` and imgbridge's log tail, if any.
+fn assert_no_misses(misses: &[String], what: &str, rounds: usize, p: &Imgbridge) {
+    assert!(
+        misses.is_empty(),
+        "{what}: {} misses in {rounds} rounds:\n{}\n{}",
+        misses.len(),
+        misses.join("\n"),
+        p.log_tail()
+    );
+}
+
 /// `rounds` exports in buildkit's order (config, manifest, the image
 /// named, then the lazy layers) whose layers a pipelining client writes:
 /// each layer must be in `k8s.io` the moment its COMMIT reply arrives.
@@ -761,13 +780,8 @@ async fn pipelined_rounds(isolated: bool, layout: Layout, rounds: usize, cri: bo
     if let Some(sandbox) = sandbox {
         sandbox.stop().await;
     }
-    assert!(
-        misses.is_empty(),
-        "{layout:?} (isolated: {isolated}): {} misses in {rounds} rounds:\n{}\n{}",
-        misses.len(),
-        misses.join("\n"),
-        p.log_tail()
-    );
+    let what = format!("{layout:?} (isolated: {isolated})");
+    assert_no_misses(&misses, &what, rounds, &p);
 }
 
 /// The reproduction: WRITE and COMMIT sent together, in buildkit's
@@ -835,21 +849,14 @@ async fn create_and_layer_writes_sent_together_100_rounds_every_layer_is_in_k8s_
         let done = std::time::Instant::now();
         for l in &b.layers {
             let digest = sha256_digest(l);
-            if !in_k8s(&mut k8s.clone(), &digest).await {
-                let late = late(&k8s, &digest, done).await;
+            if let Some(late) = lateness(&k8s, &digest, done).await {
                 misses.push(format!(
                     "round {n}: {digest} in k8s.io {late:?} after the calls returned"
                 ));
             }
         }
     }
-    assert!(
-        misses.is_empty(),
-        "{} misses in 100 rounds:\n{}\n{}",
-        misses.len(),
-        misses.join("\n"),
-        p.log_tail()
-    );
+    assert_no_misses(&misses, "Create sent with its layer writes", 100, &p);
 }
 
 /// A write aborted half-way and resumed on another connection by a
@@ -880,20 +887,13 @@ async fn pipelined_resumed_write_20_rounds_every_layer_is_in_k8s_io_at_its_commi
         .expect("the resumed write commits once the ingest unlocks")
         .expect("the rest written and committed, not ALREADY_EXISTS");
         let done = std::time::Instant::now();
-        let there = in_k8s(&mut k8s.clone(), &digest).await;
+        let miss = lateness(&k8s, &digest, done).await;
         drop(rest);
-        if !there {
-            let late = late(&k8s, &digest, done).await;
+        if let Some(late) = miss {
             misses.push(format!(
                 "round {n}: {digest} in k8s.io {late:?} after its COMMIT reply"
             ));
         }
     }
-    assert!(
-        misses.is_empty(),
-        "{} misses in 20 rounds:\n{}\n{}",
-        misses.len(),
-        misses.join("\n"),
-        p.log_tail()
-    );
+    assert_no_misses(&misses, "resumed pipelined write", 20, &p);
 }
