@@ -216,8 +216,8 @@ enum Outage {
 }
 
 /// The drop-in socket swap with a live kubelet: both of kubelet's
-/// endpoints are imgbridge's socket (packaging/swap/: the runtime endpoint
-/// kubelet already had is where imgbridge now listens). Two static pods
+/// endpoints set as `packaging/swap/kubelet-config.yaml` says (its path
+/// replaced by this imgbridge's socket). Two static pods
 /// run; imgbridge SIGTERM + restart, SIGKILL + restart, and a containerd
 /// restart: their containers never restart, kubelet's CRI calls succeed
 /// again within 5 s of the return, and a pod written while imgbridge was
@@ -232,7 +232,22 @@ fn socket_swap_live_kubelet_rides_out_restarts() {
     for name in ["swap-a:1", "swap-b:1", "swap-new:1"] {
         ctr_import(&sock, "buildkit", &TestImage::hello(name).docker_archive());
     }
-    let Some(k) = Kubelet::start(KubeletOpts::new(&sock)) else {
+    let swap = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/packaging/swap/kubelet-config.yaml"
+    ))
+    .unwrap()
+    .replace(
+        "/run/containerd/containerd.sock",
+        &sock.display().to_string(),
+    );
+    assert_eq!(
+        swap.matches(&*sock.display().to_string()).count(),
+        2,
+        "{swap}"
+    );
+    // The endpoint given here is not used: the packaged lines set both.
+    let Some(k) = Kubelet::start(KubeletOpts::new(c.socket()).with(&swap)) else {
         return;
     };
     let pods = [("swap-a", "swap-a:1"), ("swap-b", "swap-b:1")];

@@ -57,7 +57,7 @@ const HOST_LEFTOVERS: [&str; 3] = [
 /// The parts of a `KubeletConfiguration` the tests change.
 #[derive(Clone, Debug)]
 pub struct KubeletOpts {
-    /// `unix://` path of the CRI socket (both endpoints).
+    /// The CRI socket (both endpoints, unless `extra` sets them).
     pub endpoint: PathBuf,
     /// More `KubeletConfiguration` fields (YAML lines, top level).
     pub extra: String,
@@ -127,7 +127,6 @@ impl Kubelet {
 
     fn config(&self) -> String {
         let d = self.dir.path();
-        let sock = self.opts.endpoint.display();
         let port = |a: &str| a.rsplit(':').next().unwrap_or_default().to_string();
         format!(
             r#"apiVersion: kubelet.config.k8s.io/v1beta1
@@ -135,8 +134,6 @@ kind: KubeletConfiguration
 staticPodPath: {manifests}
 fileCheckFrequency: 1s
 syncFrequency: 10s
-containerRuntimeEndpoint: unix://{sock}
-imageServiceEndpoint: unix://{sock}
 podLogsDir: {logs}
 volumePluginDir: {plugins}
 cgroupDriver: cgroupfs
@@ -169,22 +166,32 @@ authorization:
         )
     }
 
-    /// No eviction on this shared machine's disk, image GC off: both would
-    /// act on every test's images. A test that sets a key gets its value.
+    /// Both CRI endpoints on `opts.endpoint`; no eviction on this shared
+    /// machine's disk and image GC off (both would act on every test's
+    /// images). A test that sets a key gets its value.
     fn defaults(&self) -> String {
+        let sock = format!("unix://{}", self.opts.endpoint.display());
         [
             (
+                "containerRuntimeEndpoint:",
+                format!("containerRuntimeEndpoint: {sock}\n"),
+            ),
+            (
+                "imageServiceEndpoint:",
+                format!("imageServiceEndpoint: {sock}\n"),
+            ),
+            (
                 "evictionHard:",
-                "evictionHard:\n  memory.available: \"1Mi\"\n",
+                "evictionHard:\n  memory.available: \"1Mi\"\n".into(),
             ),
             (
                 "imageGCHighThresholdPercent:",
-                "imageGCHighThresholdPercent: 100\n",
+                "imageGCHighThresholdPercent: 100\n".into(),
             ),
         ]
-        .iter()
+        .into_iter()
         .filter(|(key, _)| !self.opts.extra.contains(key))
-        .map(|(_, yaml)| *yaml)
+        .map(|(_, yaml)| yaml)
         .collect()
     }
 
