@@ -4,7 +4,7 @@
 //! of imgbridge and containerd, kubelet's image GC next to imgbridge's
 //! replicas, and KEP-2535's credential verification of replicas.
 //!
-//! Runs on every containerd of the matrix (45-80 s each on two shared cores).
+//! Runs on every containerd of the matrix (65-73 s each on two shared cores).
 
 mod common;
 
