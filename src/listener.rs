@@ -86,31 +86,11 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
         })?;
         tracing::info!(socket = %path.display(), "replaced stale socket file");
     }
-    // Bound under a private name, given its mode and owner, then moved into
-    // place: no client ever sees the socket with the mode the umask gave it
-    // (with umask 0 that would be world-connectable for a moment).
-    // RENAME_NOREPLACE keeps a bind's exclusivity: a socket another process
-    // bound at `path` meanwhile is never replaced.
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let private = dir.join(format!(".imgbridge-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&private);
-    let bind_err = |source| ListenError::Bind {
+    let listener = UnixListener::bind(path).map_err(|source| ListenError::Bind {
         path: path.into(),
         source,
-    };
-    let listener = UnixListener::bind(&private).map_err(bind_err)?;
-    let placed = apply_perms(&private, perms).and_then(|()| {
-        use nix::fcntl::{renameat2, RenameFlags};
-        match renameat2(None, &private, None, path, RenameFlags::RENAME_NOREPLACE) {
-            Ok(()) => Ok(()),
-            Err(nix::errno::Errno::EEXIST) => Err(ListenError::InUse(path.into())),
-            Err(e) => Err(bind_err(e.into())),
-        }
-    });
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(&private);
-        return Err(e);
-    }
+    })?;
+    apply_perms(path, perms)?;
     Ok(listener)
 }
 
