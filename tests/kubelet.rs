@@ -114,17 +114,22 @@ fn ms(d: &Duration) -> u128 {
     d.as_millis()
 }
 
+/// containerd with CRI, imgbridge in front with reconcile off (a replica in
+/// time is the proxied write's doing), buildkitd through imgbridge and a
+/// kubelet on containerd's own socket; `None` without the peers.
+fn through_imgbridge() -> Option<(Containerd, Imgbridge, Buildkitd, Kubelet)> {
+    let c = Scenario::cri().containerd();
+    let p = Imgbridge::with_config(c.socket(), "[reconcile]\nenabled = false\n");
+    let bk = Buildkitd::start(p.socket(), "buildkit", None)?;
+    let k = Kubelet::start(KubeletOpts::new(c.socket()))?;
+    Some((c, p, bk, k))
+}
+
 /// Tilt's loop through imgbridge: each round's content runs under the real
 /// kubelet with no pull, no `ErrImageNeverPull`, no back-off.
 #[test]
 fn dev_loop_through_imgbridge_runs_each_build_at_once() {
-    let c = Scenario::cri().containerd();
-    // Reconcile off: a replica in time is the proxied write's doing.
-    let p = Imgbridge::with_config(c.socket(), "[reconcile]\nenabled = false\n");
-    let Some(bk) = Buildkitd::start(p.socket(), "buildkit", None) else {
-        return;
-    };
-    let Some(k) = Kubelet::start(KubeletOpts::new(c.socket())) else {
+    let Some((_c, p, bk, k)) = through_imgbridge() else {
         return;
     };
     let results = dev_loop(&bk, &k, KUBELET_POD_TIMEOUT);
@@ -175,12 +180,7 @@ fn dev_loop_without_imgbridge_fails_every_round() {
 /// image and the new container runs the new content.
 #[test]
 fn rebuilt_mutable_tag_runs_the_new_content() {
-    let c = Scenario::cri().containerd();
-    let p = Imgbridge::with_config(c.socket(), "[reconcile]\nenabled = false\n");
-    let Some(bk) = Buildkitd::start(p.socket(), "buildkit", None) else {
-        return;
-    };
-    let Some(k) = Kubelet::start(KubeletOpts::new(c.socket())) else {
+    let Some((_c, _p, bk, k)) = through_imgbridge() else {
         return;
     };
     let mut seen = Vec::new();
