@@ -76,6 +76,17 @@
 #                              build); fixed: one tag per variant rebuilt every
 #                              iteration (`app:dev`), where a late update makes
 #                              CRI start the previous image ("ran other content")
+#        BENCH_POD=crictl      kubelet: the pod is a static pod of a real,
+#                              standalone kubelet (scripts/peers.sh fetch
+#                              kubelet) on containerd's own socket: its
+#                              manifest is written the moment the build is
+#                              done (C: the import), imagePullPolicy
+#                              IfNotPresent; "running" = the line in kubelet's
+#                              pod log file. kubelet runs in a mount namespace
+#                              of its own with its sysctls bind-mounted and
+#                              tmpfs over /var/lib and /var/log (it writes
+#                              those whatever its root dir), as the tests'
+#                              harness does; variants a b c only
 #        BENCH_SANDBOX=after   runp after the build returns (kubelet's order for a
 #                              new pod); before: the sandbox is started before the
 #                              build (not timed), so `crictl create` follows
@@ -102,6 +113,8 @@ UNPACK=${BENCH_UNPACK:-0}
 TAG=${BENCH_TAG:-unique}
 RUN=${BENCH_RUN:-0}
 SANDBOX=${BENCH_SANDBOX:-after}
+POD=${BENCH_POD:-crictl}
+[[ $POD == crictl || $POD == kubelet ]] || { echo "BENCH_POD must be crictl or kubelet" >&2; exit 1; }
 [[ $SANDBOX == after || $SANDBOX == before ]] || { echo "BENCH_SANDBOX must be after or before" >&2; exit 1; }
 [[ $TAG == unique || $TAG == fixed ]] || { echo "BENCH_TAG must be unique or fixed" >&2; exit 1; }
 C_NS=buildkit
@@ -113,6 +126,10 @@ die() { log "ERROR: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "needs root (it runs a private containerd with CRI)"
 for v in "${VARIANTS[@]}"; do [[ $v == [abcdefgh] ]] || die "unknown variant '$v' (a b c d e f g h)"; done
+if [ "$POD" = kubelet ]; then
+  for v in "${VARIANTS[@]}"; do [[ $v == [abc] ]] || die "BENCH_POD=kubelet runs variants a b c only"; done
+  [ "$SANDBOX" = after ] || die "BENCH_POD=kubelet: kubelet starts the sandbox itself (BENCH_SANDBOX=after)"
+fi
 missing=()
 for b in docker-registry umoci skopeo; do command -v "$b" >/dev/null || missing+=("$b"); done
 [ -x /bin/busybox ] || missing+=(busybox-static)
@@ -154,7 +171,10 @@ else
   line=$(scripts/containerd-matrix.sh fetch "$LABEL") || die "containerd-matrix.sh fetch $LABEL failed"
   CTRD_BIN=$(awk '{print $3}' <<<"$line")
 fi
-peers=$(scripts/peers.sh fetch buildkit crictl) || die "peers.sh fetch failed"
+peer_names=(buildkit crictl)
+[ "$POD" = kubelet ] && peer_names+=(kubelet)
+peers=$(scripts/peers.sh fetch "${peer_names[@]}") || die "peers.sh fetch failed"
+KUBELET_BIN=$(awk '$1 == "kubelet" {print $3}' <<<"$peers")
 BK_BIN=$(awk '$1 == "buildkit" {print $3}' <<<"$peers")
 CRICTL_BIN=$(awk '$1 == "crictl" {print $3}' <<<"$peers")
 export PATH="$CTRD_BIN:$PATH" # its ctr and shim first, for everything below
@@ -212,6 +232,7 @@ unmount_under() { # dir: deepest first, lazily
 cleanup() {
   local rc=$? i
   trap - EXIT INT TERM
+  rm -f "$T"/kubelet/manifests/*.json 2>/dev/null || true
   if [ -S "$C" ] && [ -n "${CRICTL:-}" ]; then # pods first, while containerd lives
     timeout 60 "${CRICTL[@]}" rmp -a -f >/dev/null 2>&1 || true
   fi
@@ -477,6 +498,70 @@ want h && start_buildkitd h "$T/confirm/imgbridge.sock" k8s.io
 { want c || want d; } && start_buildkitd c "$C" "$C_NS"
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
 
+# ---------------------------------------------------------------- kubelet (BENCH_POD=kubelet)
+# Standalone (no API server), static pods, as tests/common/kubelet.rs starts
+# it: ports on loopback, image GC and disk eviction off, no kubepods cgroups.
+NODE=imgbridge-bench
+if [ "$POD" = kubelet ]; then
+  K="$T/kubelet"
+  mkdir -p "$K/manifests" "$K/root" "$K/pod-logs" "$K/sysctl"
+  free_port() { local p; while :; do p=$((20000 + RANDOM % 40000)); port_free "$p" && { echo "$p"; return; }; done; }
+  KRO=$(free_port)
+  cat >"$K/kubelet.yaml" <<KUBELET
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+staticPodPath: $K/manifests
+fileCheckFrequency: 1s
+containerRuntimeEndpoint: unix://$C
+imageServiceEndpoint: unix://$C
+podLogsDir: $K/pod-logs
+volumePluginDir: $K/volume-plugins
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failCgroupV1: false
+failSwapOn: false
+makeIPTablesUtilChains: false
+address: 127.0.0.1
+port: $(free_port)
+readOnlyPort: $KRO
+healthzBindAddress: 127.0.0.1
+healthzPort: $(free_port)
+authentication:
+  anonymous:
+    enabled: true
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+evictionHard:
+  memory.available: "1Mi"
+imageGCHighThresholdPercent: 100
+KUBELET
+  # kubelet sets these host sysctls with no setting to stop it: files with
+  # the values it wants are bind-mounted over them in its own namespace.
+  script="set -e"
+  for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1 \
+    kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000; do
+    f="$K/sysctl/$(tr / . <<<"${kv%%=*}")"
+    echo "${kv#*=}" >"$f"
+    script+=$'\n'"mount --bind $f /proc/sys/${kv%%=*}"
+  done
+  script+=$'\n''mount -t tmpfs -o size=16m kubelet-var-lib /var/lib'
+  script+=$'\n''mount -t tmpfs -o size=16m kubelet-var-log /var/log'
+  script+=$'\n''exec "$@"'
+  unshare --mount --propagation private -- sh -c "$script" kubelet "$KUBELET_BIN/kubelet" \
+    --config="$K/kubelet.yaml" --root-dir="$K/root" --hostname-override="$NODE" --v=2 >"$K/kubelet.log" 2>&1 &
+  pids+=($!)
+  for ((i = 0; i < 600; i++)); do
+    [ "$(curl -s "http://127.0.0.1:$KRO/healthz" 2>/dev/null)" = ok ] && break
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    nap 0.05
+  done
+  [ "$(curl -s "http://127.0.0.1:$KRO/healthz" 2>/dev/null)" = ok ] || die "kubelet not healthy: $(tail -5 "$K/kubelet.log")"
+  KUBELET_VER=$("$KUBELET_BIN/kubelet" --version | awk '{print $2}')
+fi
+
 # ---------------------------------------------------------------- one iteration
 for v in "${VARIANTS[@]}"; do
   mkdir -p "$T/ctx-$v"
@@ -558,6 +643,10 @@ iteration() {
   esac
   now_us; t2=$REPLY
   R_xfer=$(((t2 - t1) / 1000))
+  if [ "$POD" = kubelet ]; then
+    kubelet_pod "$v" "$it" "$ref" "$expect" "$t2"
+    return 0
+  fi
   if [ "$SANDBOX" = after ] && ! pod=$("${CRICTL[@]}" runp "$pj" 2>"$d/runp.err"); then
     R_why="runp failed: $(tail -1 "$d/runp.err")"
     return 0
@@ -592,6 +681,36 @@ iteration() {
   fi
   remove_pod "$pod"
   return 0
+}
+
+# kubelet_pod VARIANT ITER REF EXPECT T2: the static pod for this iteration,
+# written now; R_pod = until its first log line (kubelet's pod log file);
+# then the manifest is removed (kubelet stops the pod, not timed).
+kubelet_pod() {
+  local v=$1 it=$2 ref=$3 expect=$4 t2=$5 name="devloop-$1-$2" m line="" f deadline
+  m="$K/manifests/$name.json"
+  printf '{"apiVersion":"v1","kind":"Pod","metadata":{"name":"%s","namespace":"default"},"spec":{"hostNetwork":true,"terminationGracePeriodSeconds":1,"containers":[{"name":"app","image":"%s","imagePullPolicy":"IfNotPresent"}]}}\n' \
+    "$name" "$ref" >"$K/.$name.tmp"
+  mv "$K/.$name.tmp" "$m"
+  deadline=$((t2 + POD_TIMEOUT * 1000000))
+  while :; do
+    for f in "$K/pod-logs/default_$name-${NODE}_"*/app/0.log; do
+      if [ -s "$f" ] && read -r line <"$f" && [ -n "$line" ]; then break 2; fi
+    done
+    now_us
+    if ((REPLY > deadline)); then break; fi
+    nap 0.005
+  done
+  now_us
+  R_pod=$(((REPLY - t2) / 1000))
+  if [ -z "$line" ]; then
+    R_why="no output within ${POD_TIMEOUT}s: $(grep -E "$name.*(ErrImage|BackOff|Pulling|Failed)" "$K/kubelet.log" | tail -1 | cut -c1-200)"
+  elif [[ " $line" != *" stdout F $expect" ]]; then
+    R_why="ran other content: '${line#* stdout F }' (expected '$expect')"
+  else
+    R_ok=1
+  fi
+  rm -f "$m"
 }
 
 # ---------------------------------------------------------------- rounds
@@ -653,6 +772,12 @@ ready_stats() { # VARIANT: xfer + pod (build done -> running)
       m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; printf "%.0f %d %d\n", m, a[1], a[NR]}'
 }
 fails() { awk -v v="$1" '$1 == v && $3 != 1' "$RES" | wc -l; }
+p50_p99() { # VARIANT: build done -> running, nearest-rank p50 and p99 (ms)
+  awk -v v="$1" '$1 == v && $3 == 1 {print $5 + $6}' "$RES" | sort -n |
+    awk '{a[NR] = $1} END {if (NR == 0) {print "-"; exit}
+      i = int(NR * 0.5); if (i < NR * 0.5) i++; j = int(NR * 0.99); if (j < NR * 0.99) j++
+      printf "%d / %d\n", a[i], a[j]}'
+}
 # ratio X Y COLUMNS: median, min, max, count of per-round X/Y (rounds where
 # both built), and a 95% confidence interval of that median: the order
 # statistics k and n+1-k with k = n/2 - 0.98 sqrt(n) (distribution-free, as
@@ -708,14 +833,17 @@ short_of() {
 mmm() { read -r m lo hi <<<"$1"; if [ "$m" = - ]; then echo "-"; else echo "$m ($lo-$hi)"; fi; }
 
 echo
-echo "== dev loop: build, then a CRI pod from the new image at once ($ITER iterations per variant, alternating)"
-echo "   containerd $CTRD_VER ($LABEL, $snap), buildkit $BK_VER, crictl $CRICTL_VER, imgbridge $("$IB" --version 2>/dev/null | awk '{print $2}')"
+echo "== dev loop: build, then a $([ "$POD" = kubelet ] && echo "static pod of a real kubelet" || echo "CRI pod") from the new image at once ($ITER iterations per variant, alternating)"
+echo "   containerd $CTRD_VER ($LABEL, $snap), buildkit $BK_VER, $([ "$POD" = kubelet ] && echo "kubelet $KUBELET_VER" || echo "crictl $CRICTL_VER"), imgbridge $("$IB" --version 2>/dev/null | awk '{print $2}')"
 echo "   $(nproc) cores; load before $load0, after $load1; rounds took ${elapsed}s; reconcile $([ "$RECONCILE" = 1 ] && echo on || echo off), unpack=$([ "$UNPACK" = 1 ] && echo true || echo false), tags $TAG, sandbox $SANDBOX the build, RUN step $([ "$RUN" = 1 ] && echo yes || echo no)"
 echo "   times in ms: median (min-max) over successful iterations; build = buildctl wall time"
 printf '   %-50s %-20s %-20s %-20s %-20s %s\n' variant "build" "done->running" "(of which copy)" "total" failures
 for v in "${VARIANTS[@]}"; do
   printf '   %-50s %-20s %-20s %-20s %-20s %s/%s\n' "$(name_of "$v")" "$(mmm "$(stats "$v" 4 all)")" \
     "$(mmm "$(ready_stats "$v")")" "$(mmm "$(stats "$v" 5)")" "$(mmm "$(col_sum "$v")")" "$(fails "$v")" "$ITER"
+done
+for v in "${VARIANTS[@]}"; do
+  printf '   %-50s build done -> running p50 / p99: %s ms\n' "$(name_of "$v")" "$(p50_p99 "$v")"
 done
 if [ -s "$T/failures" ]; then
   echo "   failures:"
@@ -826,10 +954,10 @@ done
 echo
 echo "Markdown (\`scripts/bench-devloop.sh\`, containerd $CTRD_VER, $ITER iterations per variant alternating, $TAG tags, sandbox started $SANDBOX the build$([ "$RUN" = 1 ] && echo ", Dockerfile with a RUN step"), $(nproc) cores, load $load0 → $load1; ms, median (min-max)):"
 echo
-echo "| variant | build wall time | build done → container running | of which image copy | total | failures |"
-echo "|---|---|---|---|---|---|"
+echo "| variant | build wall time | build done → container running | p50 / p99 | of which image copy | total | failures |"
+echo "|---|---|---|---|---|---|---|"
 for v in "${VARIANTS[@]}"; do
-  echo "| $(short_of "$v") | $(mmm "$(stats "$v" 4 all)") | $(mmm "$(ready_stats "$v")") | $(mmm "$(stats "$v" 5)") | $(mmm "$(col_sum "$v")") | $(fails "$v")/$ITER |"
+  echo "| $(short_of "$v") | $(mmm "$(stats "$v" 4 all)") | $(mmm "$(ready_stats "$v")") | $(p50_p99 "$v") | $(mmm "$(stats "$v" 5)") | $(mmm "$(col_sum "$v")") | $(fails "$v")/$ITER |"
 done
 if [ -n "$rb" ]; then
   echo

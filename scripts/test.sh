@@ -20,8 +20,9 @@ fi
 
 # Tools the harness needs: the binaries, plus a static busybox for test images.
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
-# readiness; make/gcc: jemalloc is built from source.
-needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter curl make gcc)
+# readiness; unshare: kubelet's own mount namespace; make/gcc: jemalloc is
+# built from source.
+needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter unshare curl make gcc)
 missing=()
 for bin in "${needed_bins[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
@@ -92,12 +93,13 @@ scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
 echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
 
-# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel), built once into
-# their cache; the tests that need them use the same builds.
+# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet), built
+# once into their cache; the tests that need them use the same builds (kubelet:
+# about 11 min cold on two busy cores, under a second warm).
 # IMGBRIDGE_SKIP_PEERS=1 skips both the builds and those tests (a quick
 # local loop only: CI never sets it).
 if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" == "1" ]]; then
-    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl and spegel (multinode) tests will not run"
+    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl, spegel (multinode) and kubelet tests will not run"
 else
     stage_start=$SECONDS
     echo "==> peers: scripts/peers.sh fetch"

@@ -476,28 +476,7 @@ async fn write_resumed_on_another_connection_links_before_its_commit_returns() {
 async fn resume_write(sock: &Path, data: &[u8]) {
     let digest = sha256_digest(data);
     let reference = format!("resume/{}", &digest[7..23]);
-    let half = data.len() / 2;
-    {
-        let mut content = content_client(sock).await;
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tx.send(api::WriteContentRequest {
-            action: api::WriteAction::Write as i32,
-            r#ref: reference.clone(),
-            total: data.len() as i64,
-            expected: digest.clone(),
-            data: data[..half].to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let mut replies = content
-            .write(with_ns(ReceiverStream::new(rx), SRC))
-            .await
-            .unwrap()
-            .into_inner();
-        replies.message().await.unwrap();
-        // Dropped without COMMIT: the ingest stays, unlocked.
-    }
+    let half = write_first_half(sock, data, &reference).await;
     let resumed = poll_async(Duration::from_secs(10), || async {
         let mut content = content_client(sock).await;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -544,4 +523,377 @@ async fn resume_write(sock: &Path, data: &[u8]) {
     .unwrap();
     let reply = replies.message().await.unwrap().expect("COMMIT reply");
     assert_eq!(reply.digest, digest);
+}
+
+/// Writes the first half of `data` under `reference` and drops the call
+/// without COMMIT: the ingest stays, unlocked once containerd sees the
+/// writer gone. Returns where the rest starts.
+async fn write_first_half(sock: &Path, data: &[u8], reference: &str) -> usize {
+    let half = data.len() / 2;
+    let mut content = content_client(sock).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(api::WriteContentRequest {
+        action: api::WriteAction::Write as i32,
+        r#ref: reference.into(),
+        total: data.len() as i64,
+        expected: sha256_digest(data),
+        data: data[..half].to_vec(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut replies = content
+        .write(with_ns(ReceiverStream::new(rx), SRC))
+        .await
+        .unwrap()
+        .into_inner();
+    replies.message().await.unwrap();
+    half
+}
+
+/// How a client that pipelines lays out one blob's `Content.Write`
+/// messages. Each holds a COMMIT after another message, so the first reply
+/// after the COMMIT went out is not the COMMIT's.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// WRITE with all the data, then COMMIT.
+    Pair,
+    /// STAT, the data in four WRITEs, COMMIT.
+    Chunked,
+    /// STAT, then one message with all the data that COMMITs.
+    OneMessage,
+    /// The second half of a write resumed (the first half is in the
+    /// ingest, see [`write_first_half`]): STAT, WRITE at that offset,
+    /// COMMIT.
+    Resumed,
+}
+
+impl Layout {
+    /// Every message for `data`, built before the call starts.
+    fn requests(self, data: &[u8], reference: &str) -> Vec<api::WriteContentRequest> {
+        let digest = sha256_digest(data);
+        let total = data.len() as i64;
+        let msg = |action: api::WriteAction| api::WriteContentRequest {
+            action: action as i32,
+            r#ref: reference.into(),
+            total,
+            expected: digest.clone(),
+            ..Default::default()
+        };
+        let commit = api::WriteContentRequest {
+            offset: total,
+            ..msg(api::WriteAction::Commit)
+        };
+        let write = |offset: usize, chunk: &[u8]| api::WriteContentRequest {
+            offset: offset as i64,
+            data: chunk.to_vec(),
+            ..msg(api::WriteAction::Write)
+        };
+        match self {
+            Layout::Pair => vec![write(0, data), commit],
+            Layout::Chunked => {
+                let mut m = vec![msg(api::WriteAction::Stat)];
+                let size = data.len().div_ceil(4).max(1);
+                for (i, chunk) in data.chunks(size).enumerate() {
+                    m.push(write(i * size, chunk));
+                }
+                m.push(commit);
+                m
+            }
+            Layout::Resumed => {
+                let half = data.len() / 2;
+                vec![
+                    msg(api::WriteAction::Stat),
+                    write(half, &data[half..]),
+                    commit,
+                ]
+            }
+            Layout::OneMessage => vec![
+                msg(api::WriteAction::Stat),
+                api::WriteContentRequest {
+                    offset: 0,
+                    data: data.to_vec(),
+                    ..msg(api::WriteAction::Commit)
+                },
+            ],
+        }
+    }
+}
+
+type Replies = tonic::Streaming<api::WriteContentResponse>;
+
+/// `Content.Write` as a streaming client (containerd-client/tonic, Python)
+/// may do it: every message goes before any reply is read. Returns at the
+/// COMMIT reply — where the client's write is done — with the rest of the
+/// replies, or `None` when the blob was already there (ALREADY_EXISTS).
+async fn write_pipelined(
+    sock: &Path,
+    data: &[u8],
+    layout: Layout,
+) -> Result<Option<Replies>, tonic::Status> {
+    let digest = sha256_digest(data);
+    let requests = layout.requests(data, &pipelined_ref(&digest));
+    let mut content = content_client(sock).await;
+    let stream = tokio_stream::iter(requests);
+    let mut replies = match content.write(with_ns(stream, SRC)).await {
+        Ok(r) => r.into_inner(),
+        Err(e) if e.code() == tonic::Code::AlreadyExists => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    loop {
+        match replies.message().await {
+            Ok(Some(r)) if r.action == api::WriteAction::Commit as i32 => {
+                assert_eq!(r.digest, digest);
+                return Ok(Some(replies));
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("{layout:?}: the write ended without a COMMIT reply"),
+            Err(e) if e.code() == tonic::Code::AlreadyExists => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The ingest a pipelined write of `digest` uses.
+fn pipelined_ref(digest: &str) -> String {
+    format!("pipelined/{}", &digest[7..23])
+}
+
+/// Whether `digest` is in `k8s.io`, asked of containerd itself.
+async fn in_k8s(k8s: &mut ContentClient, digest: &str) -> bool {
+    let info = api::InfoRequest {
+        digest: digest.into(),
+    };
+    match k8s.info(with_ns(info, "k8s.io")).await {
+        Ok(_) => true,
+        Err(e) if e.code() == tonic::Code::NotFound => false,
+        Err(e) => panic!("Content.Info {digest} in k8s.io: {e:?}"),
+    }
+}
+
+type ContentClient =
+    containerd_client::services::v1::content_client::ContentClient<tonic::transport::Channel>;
+
+/// Writes `data` pipelined through `sock`; `Some` with how long the blob
+/// took to show up in `k8s.io` (a miss) when it was not there at the
+/// COMMIT reply (or at ALREADY_EXISTS).
+async fn pipelined_miss(
+    sock: &Path,
+    k8s: &ContentClient,
+    data: &[u8],
+    layout: Layout,
+) -> Option<Duration> {
+    let mut k8s = k8s.clone();
+    let digest = sha256_digest(data);
+    let rest = write_pipelined(sock, data, layout)
+        .await
+        .unwrap_or_else(|e| panic!("{layout:?} write: {e:?}"));
+    let done = std::time::Instant::now();
+    let there = in_k8s(&mut k8s, &digest).await;
+    if let Some(mut rest) = rest {
+        while rest
+            .message()
+            .await
+            .expect("the rest of the replies")
+            .is_some()
+        {}
+    }
+    match there {
+        true => None,
+        false => Some(late(&k8s, &digest, done).await),
+    }
+}
+
+/// How long after `done` the blob `digest` showed up in `k8s.io` (for a
+/// miss's report; `Duration::MAX`: not within 10 s).
+async fn late(k8s: &ContentClient, digest: &str, done: std::time::Instant) -> Duration {
+    let arrived = poll_async(Duration::from_secs(10), || {
+        let mut k8s = k8s.clone();
+        async move { in_k8s(&mut k8s, digest).await.then(|| done.elapsed()) }
+    })
+    .await;
+    arrived.unwrap_or(Duration::MAX)
+}
+
+/// `None` when `digest` is in `k8s.io` now, else how late it came.
+async fn lateness(k8s: &ContentClient, digest: &str, done: std::time::Instant) -> Option<Duration> {
+    match in_k8s(&mut k8s.clone(), digest).await {
+        true => None,
+        false => Some(late(k8s, digest, done).await),
+    }
+}
+
+/// Fails with every miss of `rounds` and imgbridge's log tail, if any.
+fn assert_no_misses(misses: &[String], what: &str, rounds: usize, p: &Imgbridge) {
+    assert!(
+        misses.is_empty(),
+        "{what}: {} misses in {rounds} rounds:\n{}\n{}",
+        misses.len(),
+        misses.join("\n"),
+        p.log_tail()
+    );
+}
+
+/// `rounds` exports in buildkit's order (config, manifest, the image
+/// named, then the lazy layers) whose layers a pipelining client writes:
+/// each layer must be in `k8s.io` the moment its COMMIT reply arrives.
+/// With `cri`, a container is also created from the tag at once.
+async fn pipelined_rounds(isolated: bool, layout: Layout, rounds: usize, cri: bool) {
+    let c = Containerd::start(opts(isolated));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/pipelined:dev";
+    let mut sandbox = match cri {
+        true => Some(Sandbox::start(c.socket()).await),
+        false => None,
+    };
+    let mut misses = Vec::new();
+    for n in 0..rounds {
+        let text = format!("pipelined-{n}-{}", unique_name("x"));
+        let b = Build::new(&busybox, &text);
+        b.export_record(p.socket(), name).await;
+        let writes = (b.layers.iter()).map(|l| pipelined_miss(p.socket(), &k8s, l, layout));
+        for (l, miss) in b
+            .layers
+            .iter()
+            .zip(futures_util::future::join_all(writes).await)
+        {
+            if let Some(late) = miss {
+                misses.push(format!(
+                    "round {n}: {} in k8s.io {late:?} after its COMMIT reply",
+                    sha256_digest(l)
+                ));
+            }
+        }
+        if let Some(sandbox) = sandbox.as_mut() {
+            match sandbox.create(name, n).await {
+                Ok(id) => sandbox.remove(&id).await,
+                Err(e) => misses.push(format!(
+                    "round {n}: CreateContainer {} {}",
+                    e.code(),
+                    e.message()
+                )),
+            }
+        }
+    }
+    if let Some(sandbox) = sandbox {
+        sandbox.stop().await;
+    }
+    let what = format!("{layout:?} (isolated: {isolated})");
+    assert_no_misses(&misses, &what, rounds, &p);
+}
+
+/// The reproduction: WRITE and COMMIT sent together, in buildkit's
+/// exporter order, with a container created the moment the layers return.
+#[tokio::test]
+async fn pipelined_write_commit_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(false, Layout::Pair, 100, true).await;
+}
+
+#[tokio::test]
+async fn pipelined_write_commit_isolated_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(true, Layout::Pair, 100, true).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_writes_commit_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    pipelined_rounds(false, Layout::Chunked, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_writes_commit_isolated_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply(
+) {
+    pipelined_rounds(true, Layout::Chunked, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_and_one_write_commit_message_100_rounds_every_layer_is_in_k8s_io() {
+    pipelined_rounds(false, Layout::OneMessage, 100, false).await;
+}
+
+#[tokio::test]
+async fn pipelined_stat_and_one_write_commit_message_isolated_100_rounds_every_layer_is_in_k8s_io()
+{
+    pipelined_rounds(true, Layout::OneMessage, 100, false).await;
+}
+
+/// A client that names the image and writes its lazy layers at once: the
+/// Update/Create and the layer writes on the wire together, none waiting
+/// for another's reply. Once every call has returned, every layer is in
+/// `k8s.io` — also a layer committed after the replication looked for it
+/// and before it noted that the image waits for it (that COMMIT reply
+/// found nothing to hold). The writes start staggered by up to 5 ms so
+/// that over the rounds their commits fall all along the replication.
+#[tokio::test]
+async fn create_and_layer_writes_sent_together_100_rounds_every_layer_is_in_k8s_io() {
+    let c = Containerd::start(opts(false));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/together:dev";
+    let mut misses = Vec::new();
+    for n in 0..100u64 {
+        let b = Build::new(&busybox, &format!("together-{n}-{}", unique_name("x")));
+        write(p.socket(), &b.config, &[]).await.unwrap();
+        let labels = b.manifest_labels();
+        write(p.socket(), &b.manifest, &labels).await.unwrap();
+        let stagger = Duration::from_micros(n % 26 * 200);
+        let sock = p.socket();
+        let layers = futures_util::future::join_all(b.layers.iter().map(|l| async move {
+            tokio::time::sleep(stagger).await; // the stagger, not a wait for anything
+            write(sock, l, &[]).await.expect("layer write");
+        }));
+        let target = b.target();
+        tokio::join!(name_image(sock, name, &target), layers);
+        let done = std::time::Instant::now();
+        for l in &b.layers {
+            let digest = sha256_digest(l);
+            if let Some(late) = lateness(&k8s, &digest, done).await {
+                misses.push(format!(
+                    "round {n}: {digest} in k8s.io {late:?} after the calls returned"
+                ));
+            }
+        }
+    }
+    assert_no_misses(&misses, "Create sent with its layer writes", 100, &p);
+}
+
+/// A write aborted half-way and resumed on another connection by a
+/// pipelining client: STAT, the rest (offset > 0) and the COMMIT sent
+/// together. The layer is in `k8s.io` at that COMMIT's reply.
+#[tokio::test]
+async fn pipelined_resumed_write_20_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
+    let c = Containerd::start(opts(false));
+    let p = Imgbridge::start(c.socket(), &[]);
+    let k8s = content_client(c.socket()).await;
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let name = "docker.io/library/pipelined-resume:dev";
+    let mut misses = Vec::new();
+    for n in 0..20 {
+        let b = Build::new(&busybox, &format!("resumed-{n}-{}", unique_name("x")));
+        b.export_record(p.socket(), name).await;
+        write(p.socket(), &b.layers[0], &[]).await.unwrap();
+        let lazy = &b.layers[1];
+        let digest = sha256_digest(lazy);
+        write_first_half(p.socket(), lazy, &pipelined_ref(&digest)).await;
+        // Until containerd has seen the first writer go, the ingest is locked.
+        let rest = poll_async(Duration::from_secs(10), || async {
+            write_pipelined(p.socket(), lazy, Layout::Resumed)
+                .await
+                .ok()
+        })
+        .await
+        .expect("the resumed write commits once the ingest unlocks")
+        .expect("the rest written and committed, not ALREADY_EXISTS");
+        let done = std::time::Instant::now();
+        let miss = lateness(&k8s, &digest, done).await;
+        drop(rest);
+        if let Some(late) = miss {
+            misses.push(format!(
+                "round {n}: {digest} in k8s.io {late:?} after its COMMIT reply"
+            ));
+        }
+    }
+    assert_no_misses(&misses, "resumed pipelined write", 20, &p);
 }

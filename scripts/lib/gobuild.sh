@@ -198,16 +198,19 @@ gobuild_gomod_list() { # gomod [directives]
 # versions: every module that provides a package linked into a unit's
 # binaries is at the version the peer's own go.mod requires, every
 # requirement of that go.mod is at the same version in `go list -m all`
-# here, and every exclude/replace of it is mirrored here. Needs network (or
+# here, and every exclude/replace of it is mirrored here. A module upstream
+# replaces with a directory of its own repository (kubernetes' ./staging)
+# has no version there (v0.0.0): it must be replaced here by a published
+# module version, and is left out of the version comparisons. Needs network (or
 # a module cache that has the upstream go.mod files). Prints a summary;
 # returns non-zero on any difference.
 gobuild_verify() { # name go unit...
     local name="$1" go="$2" unit cgo tags pkgs gomod bad=0
     local -a pkg_a
-    local up linked all directives mine pins mod ver kw rest
+    local up linked all directives mine pins mod ver kw rest localrep diff
     shift 2
     up="$(mktemp)" linked="$(mktemp)" all="$(mktemp)" \
-        directives="$(mktemp)" mine="$(mktemp)" pins="$(mktemp)"
+        directives="$(mktemp)" mine="$(mktemp)" pins="$(mktemp)" localrep="$(mktemp)"
     gobuild_pins "$name" >"$pins"
     : >"$up"
     : >"$directives"
@@ -220,6 +223,18 @@ gobuild_verify() { # name go unit...
     done <"$pins"
     sort -u -o "$up" "$up"
     gobuild_gomod_list "$gobuild_peers_dir/$name/go.mod" directives >"$mine"
+    # Upstream's replaces by a directory: "replace X => ./dir" (no version).
+    awk '$1 == "replace" && $3 == "=>" && $4 ~ /^(\.|\/)/ { print $2 }' "$directives" | sort -u >"$localrep"
+    if [[ -s "$localrep" ]]; then
+        # In the build list, each must be replaced by a version (one not in
+        # the build list is not built: its replace line does nothing).
+        diff="$(gobuild_go "$name" "$go" list -m -f '{{.Path}} {{with .Replace}}{{.Version}}{{end}}' all |
+            awk 'FILENAME == ARGV[1] { want[$1] = 1; next } ($1 in want) && NF < 2 { print "  " $1 }' "$localrep" -)"
+        if [[ -n "$diff" ]]; then
+            log "peer $name: upstream replaces these by a directory; here they must be replaced by a module version:"$'\n'"$diff"
+            bad=1
+        fi
+    fi
 
     # Directives: each of upstream's must be here (replace: same left side).
     while read -r kw rest; do
@@ -246,26 +261,29 @@ gobuild_verify() { # name go unit...
         sort -u >"$all" || { log "peer $name: go list -m all failed"; bad=1; }
 
     # linked: each at upstream's required version (the peer itself at its pin)
-    local diff
-    diff="$(awk 'FILENAME == ARGV[1] { v[$1] = $2; next }
+    diff="$(awk 'FILENAME == ARGV[1] { skip[$1] = 1; next }
+                 FILENAME == ARGV[2] { v[$1] = $2; next }
+                 $1 in skip    { next }
                  !($1 in v)    { print "  " $1 " " $2 " (not required by upstream go.mod)"; next }
                  v[$1] != $2   { print "  " $1 " " $2 " (upstream requires " v[$1] ")" }' \
-        <(cat "$up" "$pins") "$linked")"
+        "$localrep" <(cat "$up" "$pins") "$linked")"
     if [[ -n "$diff" ]]; then
         log "peer $name: linked modules not at upstream's versions:"$'\n'"$diff"
         bad=1
     fi
     # go list -m all: each upstream requirement present at the same version
-    diff="$(awk 'FILENAME == ARGV[1] { v[$1] = $2; next }
+    diff="$(awk 'FILENAME == ARGV[1] { skip[$1] = 1; next }
+                 FILENAME == ARGV[2] { v[$1] = $2; next }
+                 $1 in skip  { next }
                  !($1 in v)  { print "  " $1 " " $2 " (missing from go list -m all)"; next }
-                 v[$1] != $2 { print "  " $1 " upstream " $2 ", here " v[$1] }' "$all" "$up")"
+                 v[$1] != $2 { print "  " $1 " upstream " $2 ", here " v[$1] }' "$localrep" "$all" "$up")"
     if [[ -n "$diff" ]]; then
         log "peer $name: go list -m all differs from upstream's go.mod:"$'\n'"$diff"
         bad=1
     fi
-    printf '%s %s: %s linked modules, %s upstream requirements (go list -m all: %s modules), %s upstream exclude/replace\n' \
+    printf '%s %s: %s linked modules, %s upstream requirements (go list -m all: %s modules), %s upstream exclude/replace (%s of a directory, replaced by a version here)\n' \
         "$name" "$( ((bad)) && echo DIFFERS || echo OK)" "$(wc -l <"$linked")" \
-        "$(wc -l <"$up")" "$(wc -l <"$all")" "$(wc -l <"$directives")"
-    rm -f "$up" "$linked" "$all" "$directives" "$mine" "$pins"
+        "$(wc -l <"$up")" "$(wc -l <"$all")" "$(wc -l <"$directives")" "$(wc -l <"$localrep")"
+    rm -f "$up" "$linked" "$all" "$directives" "$mine" "$pins" "$localrep"
     return "$bad"
 }

@@ -53,15 +53,21 @@ pub type WatchFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 pub const WATCH_HEAD: usize = 1024;
 
 /// A streaming call watched message by message, never buffered.
+///
+/// Only for calls that answer each request message with exactly one reply
+/// message, in order (`Content.Write`): the transport finds a message's
+/// reply by counting, however many messages the client sends before it
+/// reads one.
 pub trait StreamWatch: Send {
     /// The first [`WATCH_HEAD`] bytes (or all, if shorter) of one
-    /// uncompressed request message. `true` holds the replies from now on:
-    /// the next whole reply message goes to [`StreamWatch::reply`].
+    /// uncompressed request message. `true` holds this message's reply:
+    /// the call's frames wait from its first byte, and the whole reply
+    /// message goes to [`StreamWatch::reply`].
     fn request(&mut self, head: &[u8]) -> bool;
 
-    /// The first reply message after a hold began. The call's frames (this
-    /// message and any after it) wait until the future ends; `None`
-    /// releases them at once.
+    /// The reply to a message [`StreamWatch::request`] wanted. The call's
+    /// frames (this message and any after it) wait until the future ends;
+    /// `None` releases them at once.
     fn reply(&mut self, message: Bytes) -> Option<WatchFuture>;
 
     /// The call ended with `grpc_status` (`None`: no status). A future

@@ -2,7 +2,9 @@
 //! commits a blob a replica is waiting for (buildkit's lazy layers, written
 //! after the image record) finishes, as the client sees it, only once the
 //! blob is in every target. The proxy shows this watch the head of each
-//! request message and holds the COMMIT reply while it links.
+//! request message and holds the reply to each COMMIT message (found by
+//! its position, however many messages the client sent before reading a
+//! reply) while it links.
 //!
 //! Writes of blobs nobody waits for cost one hash lookup per COMMIT.
 
@@ -20,6 +22,10 @@ pub const WRITE: &str = "/containerd.services.content.v1.Content/Write";
 
 /// gRPC's ALREADY_EXISTS: a Write whose `expected` blob is already there.
 const ALREADY_EXISTS: i32 = 6;
+
+/// Distinct `expected` digests one write may name that are remembered. A
+/// write names one blob; this only bounds what an odd client costs.
+const EXPECTED_MAX: usize = 4;
 
 /// The fields of a `WriteContentRequest` that come before its data.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -75,8 +81,10 @@ pub fn head(mut buf: &[u8]) -> Head {
 pub struct WriteWatch {
     r: Arc<Replicator>,
     ns: String,
-    /// The digest the client said it writes (any message may say it).
-    expected: Option<String>,
+    /// The digests the client said it writes (any message may say one).
+    /// All of them, not the last: a pipelining client's later messages
+    /// pass before containerd answers the one it found already there.
+    expected: Vec<String>,
 }
 
 impl WriteWatch {
@@ -84,7 +92,7 @@ impl WriteWatch {
         WriteWatch {
             r,
             ns,
-            expected: None,
+            expected: Vec::new(),
         }
     }
 
@@ -113,8 +121,10 @@ impl WriteWatch {
 impl StreamWatch for WriteWatch {
     fn request(&mut self, bytes: &[u8]) -> bool {
         let h = head(bytes);
-        if h.expected.is_some() {
-            self.expected = h.expected;
+        if let Some(e) = h.expected {
+            if !self.expected.contains(&e) && self.expected.len() < EXPECTED_MAX {
+                self.expected.push(e);
+            }
         }
         h.action == WriteAction::Commit as i32
     }
@@ -130,10 +140,19 @@ impl StreamWatch for WriteWatch {
     fn end(&mut self, grpc_status: Option<i32>) -> Option<WatchFuture> {
         // Someone else committed the blob first: the client takes this as
         // success, so it must be in the targets by now too.
-        if grpc_status == Some(ALREADY_EXISTS) {
-            return self.link(self.expected.clone()?);
+        if grpc_status != Some(ALREADY_EXISTS) {
+            return None;
         }
-        None
+        let links: Vec<_> = (self.expected.iter())
+            .filter_map(|d| self.link(d.clone()))
+            .collect();
+        match links.len() {
+            0 => None,
+            1 => links.into_iter().next(),
+            _ => Some(Box::pin(async move {
+                futures_util::future::join_all(links).await;
+            })),
+        }
     }
 }
 
@@ -186,6 +205,47 @@ mod tests {
         let b = encode(&r);
         assert_eq!(head(&b[..8]).action, 1);
         assert_eq!(head(&b).expected, None);
+    }
+
+    /// A pipelining client's messages all pass before containerd answers
+    /// the first one whose blob it finds already there: the end links
+    /// every digest the write named, not only the last one seen.
+    #[tokio::test]
+    async fn already_exists_links_a_digest_named_before_the_last_message() {
+        let (a, b) = ("sha256:aaaa", "sha256:bbbb");
+        let settings = super::super::Settings::from(&crate::config::Replication::default());
+        let r = Replicator::new(
+            crate::containerd::Containerd::new("/nonexistent/imgbridge-test.sock"),
+            settings,
+        );
+        r.pending.add(super::super::pending::Item {
+            source: "buildkit".into(),
+            target: "k8s.io".into(),
+            owner: super::super::pending::Owner {
+                image: "docker.io/library/x:1".into(),
+                root: "sha256:cccc".into(),
+                need: super::super::tree::Need::Node,
+            },
+            child: super::super::tree::Child {
+                media_type: "application/vnd.oci.image.layer.v1.tar".into(),
+                digest: a.into(),
+                size: 1,
+            },
+        });
+        let mut w = WriteWatch::new(r, "buildkit".into());
+        for (action, expected) in [(WriteAction::Stat, a), (WriteAction::Commit, b)] {
+            let m = WriteContentRequest {
+                action: action as i32,
+                expected: expected.into(),
+                ..Default::default()
+            };
+            w.request(&encode(&m));
+        }
+        assert!(w.end(Some(0)).is_none(), "an OK end links nothing");
+        assert!(
+            w.end(Some(ALREADY_EXISTS)).is_some(),
+            "{a}, which an image waits for, is linked"
+        );
     }
 
     #[test]

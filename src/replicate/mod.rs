@@ -620,9 +620,10 @@ impl Replicator {
         // event first; the digest ref and the lease release overlap the
         // wait, the id record follows.
         let managed = tree.cri_id.is_some();
-        let tag = self
-            .put_record(source, target, &names[0], &image, existing, managed)
-            .await;
+        let (tag, ()) = tokio::join!(
+            self.put_record(source, target, &names[0], &image, existing, managed),
+            self.arrived_meanwhile(source, &tree.missing)
+        );
         let recorded = started.elapsed();
         outcome.writes += tag.map_err(err)?;
         let confirm = target == CRI_NAMESPACE && (wait_cri || outcome.writes > 0);

@@ -495,6 +495,22 @@ impl Replicator {
         }
     }
 
+    /// Blobs a pod here could need, just noted as missing, that are in
+    /// `source` by now, linked (a client that writes them without waiting
+    /// for the image's reply may have committed one since the walk looked:
+    /// that COMMIT reply was not held, as nothing waited for the blob yet).
+    /// Costs one `Content.Info` per such blob, at once; other platforms'
+    /// blobs are left to the backstop, as nobody here waits for them.
+    pub async fn arrived_meanwhile(&self, source: &str, missing: &[(Child, Need)]) {
+        let needed = missing.iter().filter(|(_, n)| *n == Need::Node);
+        let links = needed.map(|(c, _)| async move {
+            if let Ok(Some(_)) = self.c.content_info(source, &c.digest).await {
+                self.committed(source, &c.digest).await;
+            }
+        });
+        futures_util::future::join_all(links).await;
+    }
+
     /// Links a claimed blob into each of its targets if it is in the source.
     async fn link_job(&self, job: &Job) -> Linked {
         let missing = Linked::Missing { gone: Vec::new() };

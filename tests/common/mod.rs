@@ -37,6 +37,7 @@
 #![allow(dead_code)]
 
 pub mod front;
+pub mod kubelet;
 pub mod peers;
 
 mod bridge;

@@ -493,7 +493,7 @@ impl State {
                 Err(status) => self.fail(stream, status, out),
             },
             Outcome::Watch { stream } => {
-                self.watch_release(stream, out);
+                self.watch_resume(stream, out);
                 self.pings.released();
             }
         }

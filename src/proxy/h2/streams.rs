@@ -647,9 +647,15 @@ impl State {
                     self.calls.remove(&stream);
                     return Verdict::Swallow;
                 }
-                if let Some(Step::Kept) = call.watch.as_mut().map(|w| w.reply_reset(frame)) {
-                    return Verdict::Swallow;
+                match call.watch.as_mut().map(|w| w.reply_reset(frame)) {
+                    None | Some(Step::Pass) => {}
+                    Some(step) => {
+                        self.watch_step(stream, step, out);
+                        return Verdict::Swallow;
+                    }
                 }
+            }
+            if let Some(call) = self.calls.get_mut(&stream) {
                 if let Some(held) = call.held.as_mut().filter(|h| h.reply_done()) {
                     // grpc-go resets (NO_ERROR) a stream it has answered
                     // before the client's END_STREAM: it follows the reply.

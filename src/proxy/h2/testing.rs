@@ -127,10 +127,18 @@ pub(super) fn start_observed(
 }
 
 pub(super) fn start_with(rules: Rules, drain: CancellationToken) -> (UnixStream, UnixStream, Task) {
+    start_intercepted(Arc::new(rules), drain)
+}
+
+/// A splice with any policy.
+pub(super) fn start_intercepted(
+    interceptor: Arc<dyn Interceptor>,
+    drain: CancellationToken,
+) -> (UnixStream, UnixStream, Task) {
     let (client, proxy_down) = UnixStream::pair().unwrap();
     let (proxy_up, server) = UnixStream::pair().unwrap();
     let ctx = Arc::new(Ctx {
-        interceptor: Arc::new(rules),
+        interceptor,
         observer: None,
         upstream: "/run/test.sock".into(),
     });
