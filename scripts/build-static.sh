@@ -72,7 +72,11 @@ build() { # arch
     # the stripped copies.
     export "CFLAGS_${triple//-/_}=-ffile-prefix-map=$target_dir=/build/target -ffile-prefix-map=$cargo_home=/cargo"
     log "cargo build --release --locked --target $triple"
-    cargo build --release --locked --target "$triple" --bin imgbridge >&2
+    # Without SOURCE_DATE_EPOCH: nothing in the binary reads it, but the cc
+    # crate's build scripts watch it, so a value set by release.sh (the
+    # commit's time) would rebuild jemalloc and zstd at every commit and at
+    # every switch between release.sh and test.sh.
+    env -u SOURCE_DATE_EPOCH cargo build --release --locked --target "$triple" --bin imgbridge >&2
     local bin="$target_dir/$triple/release/imgbridge"
     # Static: no program interpreter, no shared library needed.
     if readelf -lW "$bin" | grep INTERP >/dev/null || readelf -dW "$bin" | grep NEEDED >/dev/null; then
