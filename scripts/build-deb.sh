@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Builds target/debian/imgbridge_<version>_<arch>.deb with cargo-deb: release
-# binary, then the man page and completions generated from it, then the package.
+# Builds target/x86_64-unknown-linux-musl/debian/imgbridge_<version>-1_amd64.deb
+# with cargo-deb from the static binary (scripts/build-static.sh: the same
+# binary as the release tarball and the image, no shared library needed),
+# then the man page and completions generated from it, then the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v cargo-deb >/dev/null; then
-    echo "== installing cargo-deb"
-    cargo install cargo-deb --locked
+triple=x86_64-unknown-linux-musl
+cargo_deb_version=3.8.0
+if ! command -v cargo-deb >/dev/null || [[ "$(cargo-deb --version 2>/dev/null)" != *" $cargo_deb_version"* ]]; then
+    echo "== installing cargo-deb $cargo_deb_version"
+    cargo install cargo-deb --locked --version "$cargo_deb_version"
 fi
 
-echo "== cargo build --release"
-cargo build --release --bin imgbridge
-bin=target/release/imgbridge
+echo "== static release binary"
+bin="$(scripts/build-static.sh x86_64 | awk '$1 == "x86_64" { print $2 }')"
 
 echo "== generating man page and completions into target/assets"
 rm -rf target/assets && mkdir -p target/assets/man
@@ -21,6 +24,8 @@ gzip -9n target/assets/man/*.8
 "$bin" completions zsh > target/assets/_imgbridge
 "$bin" completions fish > target/assets/imgbridge.fish
 
-echo "== cargo deb"
+echo "== cargo deb --target $triple"
+# Asset paths target/release/... are read from target/$triple/release/.
 # Debug info (profile.release debug = 1) goes into a separate -dbgsym package.
-cargo deb --no-build --dbgsym
+SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}" \
+    cargo deb --no-build --dbgsym --target "$triple"

@@ -13,6 +13,9 @@
 #   scripts/peers.sh verify [NAME...]
 #       checks that each build uses upstream's own dependency versions and
 #       mirrors its exclude/replace directives (needs network)
+#   scripts/peers.sh fetch helm
+#       helm (bindir holds helm): not a client of the integration tests but
+#       the chart checker of scripts/test.sh, so not fetched by default.
 #
 # Environment:
 #   IMGBRIDGE_CACHE   cache root (default /var/cache/imgbridge-test); builds go
@@ -41,6 +44,9 @@ done
 
 # Sets $module, $binaries and $units (see scripts/lib/gobuild.sh) for peer
 # $1 at version $2, with the flags of upstream's release builds:
+#   helm      Makefile build: CGO_ENABLED=0, -trimpath, ldflags "-w -s -X
+#             internal/version.version=<tag> -X internal/version.metadata="
+#             (empty for a tag); `helm version` prints the tag.
 #   buildkit  Dockerfile stages buildctl/buildkitd: CGO_ENABLED=0, ldflags
 #             -X version.{Version,Revision,Package}; buildkitd also with
 #             -extldflags '-static' and tags "osusergo netgo static_build
@@ -69,6 +75,11 @@ done
 peer_spec() { # name version
     local ver="$2" ld
     case "$1" in
+        helm)
+            module=helm.sh/helm/v4
+            binaries=(helm)
+            units=("0||-w -s -X $module/internal/version.version=$ver -X $module/internal/version.metadata=|-trimpath|$module/cmd/helm")
+            ;;
         buildkit)
             module=github.com/moby/buildkit
             binaries=(buildkitd buildctl)
@@ -117,6 +128,11 @@ check_peer() { # bindir; uses $name $ver $binaries $module
     local b out
     for b in "${binaries[@]}"; do
         [[ -x "$1/$b" ]] || die "peer $name: $1/$b missing"
+        if [[ "$name" == helm ]]; then # no --version flag
+            out="$("$1/$b" version --template '{{.Version}}' 2>&1)" || die "peer $name: $1/$b version failed: $out"
+            [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
+            continue
+        fi
         if [[ "$name" == spegel ]]; then
             "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
             out="$("$(gobuild_find_go)" version -m "$1/$b" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m { print $3 }')"
@@ -153,6 +169,9 @@ verify_peer() { # name; run in a subshell
     gobuild_verify "$name" "$go" "${units[@]}"
 }
 
+# helm (the chart checker) is one more pin for `versions`.
+[[ " ${gobuild_peer_names[*]} " == *" helm "* ]] || gobuild_peer_names+=(helm)
+
 cmd="${1:-}"
 case "$cmd" in
     fetch | verify)
@@ -165,7 +184,7 @@ case "$cmd" in
         gobuild_all_pins
         ;;
     *)
-        echo "usage: $0 fetch [NAME...] | versions | verify [NAME...]   (names: ${all_names[*]})" >&2
+        echo "usage: $0 fetch [NAME...] | versions | verify [NAME...]   (names: ${all_names[*]} helm)" >&2
         exit 2
         ;;
 esac

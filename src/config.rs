@@ -4,7 +4,7 @@
 //! so a typo never silently turns a feature off.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -351,7 +351,7 @@ impl Config {
             })
     }
 
-    /// The socket's group id, resolving names through /etc/group.
+    /// The socket's group id: a numeric gid as is, a name through /etc/group.
     pub fn socket_gid(&self) -> Result<Option<u32>, ConfigError> {
         let g = self.socket_group.trim();
         if g.is_empty() {
@@ -360,16 +360,27 @@ impl Config {
         if let Ok(id) = g.parse() {
             return Ok(Some(id));
         }
-        match nix::unistd::Group::from_name(g) {
-            Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
-            _ => Err(ConfigError::Invalid(format!(
-                "socket_group {g:?}: no such group"
-            ))),
-        }
+        group_gid(g, Path::new("/etc/group"))
     }
 
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// The gid of group `g` in the group file `path`, read directly: the static
+/// release binary has no working `getgrnam`.
+fn group_gid(g: &str, path: &Path) -> Result<Option<u32>, ConfigError> {
+    match crate::etc_group::gid_in_file(path, g) {
+        Ok(Some(gid)) => Ok(Some(gid)),
+        Ok(None) => Err(ConfigError::Invalid(format!(
+            "socket_group {g:?}: no such group in {}",
+            path.display()
+        ))),
+        Err(e) => Err(ConfigError::Invalid(format!(
+            "socket_group {g:?}: reading {}: {e}",
+            path.display()
+        ))),
     }
 }
 
@@ -405,6 +416,28 @@ mod duration {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn socket_group_numeric_or_from_the_group_file() {
+        let mut c = Config::default();
+        assert_eq!(c.socket_gid().unwrap(), None);
+        c.socket_group = " 1234 ".into();
+        assert_eq!(c.socket_gid().unwrap(), Some(1234));
+        // root is in every /etc/group, and a static binary must still find it.
+        c.socket_group = "root".into();
+        assert_eq!(c.socket_gid().unwrap(), Some(0));
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("group");
+        std::fs::write(&f, "root:x:0:\nimgbridge:x:4321:builder\n").unwrap();
+        assert_eq!(group_gid("imgbridge", &f).unwrap(), Some(4321));
+        let e = group_gid("nosuch", &f).unwrap_err().to_string();
+        assert!(e.contains("\"nosuch\": no such group in"), "{e}");
+        let e = group_gid("imgbridge", &dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no such group"), "{e}");
+    }
 
     #[test]
     fn defaults_validate() {

@@ -11,6 +11,7 @@
 pub mod app;
 pub mod config;
 pub mod containerd;
+pub mod etc_group;
 pub mod import;
 pub mod labels;
 pub mod listener;

@@ -297,6 +297,48 @@ authorization:
         fs::rename(&tmp, dir.join(format!("{}.json", pod.name))).expect("rename manifest");
     }
 
+    /// The dir kubelet reads static pods from (`staticPodPath`), for a
+    /// manifest rendered elsewhere (the chart's pod: `scripts/static-pod.sh`).
+    pub fn manifests(&self) -> PathBuf {
+        self.dir.path().join("manifests")
+    }
+
+    /// Static pod `name` of namespace `ns` whatever its image, as `/pods`
+    /// has it.
+    pub fn pod_in(&self, ns: &str, name: &str) -> Option<Value> {
+        let full = format!("{name}-{NODE}");
+        self.pods()
+            .into_iter()
+            .find(|p| p["metadata"]["name"] == full.as_str() && p["metadata"]["namespace"] == ns)
+    }
+
+    /// The log file of container `container` of `pod` (a `/pods` item) in
+    /// its current run.
+    pub fn log_path_of(&self, pod: &Value, container: &str) -> PathBuf {
+        let m = &pod["metadata"];
+        let restarts = pod["status"]["containerStatuses"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == container))
+            .and_then(|c| c["restartCount"].as_u64())
+            .unwrap_or_default();
+        self.dir
+            .path()
+            .join("pod-logs")
+            .join(format!(
+                "{}_{}_{}",
+                m["namespace"].as_str().unwrap_or_default(),
+                m["name"].as_str().unwrap_or_default(),
+                m["uid"].as_str().unwrap_or_default()
+            ))
+            .join(container)
+            .join(format!("{restarts}.log"))
+    }
+
+    /// What container `container` of `pod` wrote in its current run.
+    pub fn log_of(&self, pod: &Value, container: &str) -> String {
+        fs::read_to_string(self.log_path_of(pod, container)).unwrap_or_default()
+    }
+
     /// Removes static pod `name`'s manifest: kubelet stops the pod.
     pub fn remove_pod(&self, name: &str) {
         let _ = fs::remove_file(

@@ -39,6 +39,7 @@
 pub mod front;
 pub mod kubelet;
 pub mod peers;
+pub mod project;
 
 mod bridge;
 mod containerd;

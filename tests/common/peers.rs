@@ -364,6 +364,10 @@ impl Buildkitd {
     pub fn log_tail(&self) -> String {
         self.daemon.log_tail(60)
     }
+    /// buildkitd's pid: a test freezes it (SIGSTOP) mid-call.
+    pub fn pid(&self) -> u32 {
+        self.daemon.pid().expect("buildkitd runs")
+    }
 }
 
 /// `buildctl --addr <addr> <args...>`.

@@ -1,0 +1,56 @@
+{{/*
+What the DaemonSet's pod and the `helm test` pod share: the container's
+security context and the host paths imgbridge needs, each mounted at its
+own path on the node so config.toml names the same paths inside and out.
+*/}}
+{{- define "imgbridge.securityContext" -}}
+# root: it owns a socket next to containerd's (root:root 0660) and relays
+# to it. No privilege otherwise: the capabilities are those of the systemd
+# unit (chown/chmod its socket, read watched directories of any owner).
+runAsUser: 0
+runAsGroup: 0
+privileged: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+  add: ["CHOWN", "FOWNER", "DAC_OVERRIDE", "DAC_READ_SEARCH"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "imgbridge.volumeMounts" -}}
+- { name: containerd, mountPath: {{ include "imgbridge.upstream" . | dir | quote }} }
+- { name: socket-dir, mountPath: {{ .Values.socket.dir | quote }} }
+- { name: state, mountPath: {{ .Values.stateDir | quote }} }
+- { name: config, mountPath: /etc/imgbridge, readOnly: true }
+{{- if include "imgbridge.groupByName" . }}
+- { name: etc-group, mountPath: /etc/group, readOnly: true }
+{{- end }}
+{{- range $i, $d := .Values.importDirs }}
+- { name: import-{{ $i }}, mountPath: {{ $d.path | quote }} }
+{{- end }}
+{{- end -}}
+
+{{- define "imgbridge.volumes" -}}
+- name: containerd
+  hostPath: { path: {{ include "imgbridge.upstream" . | dir | quote }}, type: Directory }
+- name: socket-dir
+  hostPath: { path: {{ .Values.socket.dir | quote }}, type: DirectoryOrCreate }
+- name: state
+  hostPath: { path: {{ .Values.stateDir | quote }}, type: DirectoryOrCreate }
+- name: config
+{{- if .Values.configHostPath }}
+  hostPath: { path: {{ .Values.configHostPath | quote }}, type: Directory }
+{{- else }}
+  configMap: { name: {{ include "imgbridge.fullname" . }} }
+{{- end }}
+{{- if include "imgbridge.groupByName" . }}
+- name: etc-group
+  hostPath: { path: /etc/group, type: File }
+{{- end }}
+{{- range $i, $d := .Values.importDirs }}
+- name: import-{{ $i }}
+  hostPath: { path: {{ $d.path | quote }}, type: DirectoryOrCreate }
+{{- end }}
+{{- end -}}

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Checks charts/imgbridge: `helm lint --strict` and `helm template` for every
+# runtime preset (each must mount and configure its own containerd socket,
+# and its config.toml must load in imgbridge itself), the optional objects,
+# a bad preset's error, the chart's version against Cargo.toml, and that
+# scripts/static-pod.sh turns the DaemonSet's pod into a static pod.
+#
+#   scripts/test-chart.sh [IMGBRIDGE_BINARY]
+#       with a binary, each rendered config.toml goes through
+#       `imgbridge serve --config ... --print-config` (the real parser).
+# Needs helm (scripts/peers.sh fetch helm), yq and jq. Prints
+# "N passed, 0 failed" at the end; exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin="${1:-}"
+chart=charts/imgbridge
+passed=0
+fail() { echo "FAIL: $*" >&2; exit 1; }
+ok() { echo "ok $*"; passed=$((passed + 1)); }
+
+helm="$(scripts/peers.sh fetch helm | awk '{print $3}')/helm"
+"$helm" version --template 'helm {{.Version}}{{"\n"}}'
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+# helm template → one JSON object per line.
+render() { "$helm" template imgbridge "$chart" --namespace kube-system "$@" | yq -c 'select(. != null)'; }
+obj() { jq -c --arg k "$1" 'select(.kind == $k)' <<<"$2"; }
+
+version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
+chart_v="$(yq -r .version "$chart/Chart.yaml")" app_v="$(yq -r .appVersion "$chart/Chart.yaml")"
+[[ "$chart_v" == "$version" && "$app_v" == "$version" ]] ||
+    fail "Chart.yaml version $chart_v / appVersion $app_v, Cargo.toml $version"
+ok "Chart.yaml version and appVersion are Cargo.toml's ($version)"
+
+declare -A socket=(
+    [containerd]=/run/containerd/containerd.sock
+    [kind]=/run/containerd/containerd.sock
+    [k3s]=/run/k3s/containerd/containerd.sock
+    [rke2]=/run/k3s/containerd/containerd.sock
+    [k0s]=/run/k0s/containerd.sock
+    [microk8s]=/var/snap/microk8s/common/run/containerd.sock
+)
+presets="$(yq -r '.runtimes | keys | join(" ")' "$chart/values.yaml")"
+[[ "$presets" == "$(printf '%s\n' "${!socket[@]}" | sort | tr '\n' ' ' | sed 's/ $//')" ]] ||
+    fail "values.yaml presets ($presets) are not the ones tested here (${!socket[*]})"
+
+for rt in $(printf '%s\n' "${!socket[@]}" | sort); do
+    sock="${socket[$rt]}"
+    "$helm" lint --strict "$chart" --set runtime="$rt" >"$work/lint" 2>&1 || { cat "$work/lint"; fail "helm lint --set runtime=$rt"; }
+    out="$(render --set runtime="$rt")"
+    ds="$(obj DaemonSet "$out")"
+    cfg="$(obj ConfigMap "$out" | jq -r '.data["config.toml"]')"
+    printf '%s\n' "$cfg" >"$work/config-$rt.toml"
+    up="$(grep -E '^upstream = ' "$work/config-$rt.toml" | cut -d'"' -f2)"
+    [[ "$up" == "$sock" ]] || fail "$rt: config upstream '$up', expected $sock"
+    jq -e --arg d "${sock%/*}" '
+        .spec.template.spec as $s
+        | ($s.volumes[] | select(.name == "containerd") | .hostPath.path == $d and .hostPath.type == "Directory")
+          and ($s.containers[0].volumeMounts[] | select(.name == "containerd") | .mountPath == $d)
+          and ($s.containers[0].image == "imgbridge:'"$version"'")
+          and ($s.containers[0].securityContext.runAsUser == 0)
+          and ($s.containers[0].securityContext.privileged == false)' <<<"$ds" >/dev/null ||
+        fail "$rt: DaemonSet does not mount ${sock%/*} at the same path (or image/securityContext wrong): $ds"
+    if [[ -n "$bin" ]]; then
+        printed="$("$bin" serve --config "$work/config-$rt.toml" --print-config)" ||
+            fail "$rt: imgbridge rejects the rendered config.toml"
+        grep -qxF "upstream = \"$sock\"" <<<"$printed" || fail "$rt: imgbridge reads upstream as: $(grep upstream <<<"$printed")"
+    fi
+    ok "runtime=$rt: lint, template, socket dir ${sock%/*}${bin:+, config loads in imgbridge}"
+done
+
+# Everything optional on, and values the chart passes into config.toml.
+all=(--set runtime=k3s --set metrics.serviceMonitor.enabled=true --set metrics.dashboard.enabled=true
+    --set 'importDirs[0].path=/var/lib/imgbridge/images' --set 'importDirs[1].path=/srv/images'
+    --set 'importDirs[1].namespace=buildkit' --set socket.group=docker --set metrics.port=9555
+    --set-json 'replication.sourceNamespaces=["default","buildkit"]' --set config.replication.pin=true
+    --set config.import.pull_attempts=7 --set config.drain_timeout=20s --set image.digest=sha256:0123
+    --set priorityClassName=custom --set hostNetwork=true)
+"$helm" lint --strict "$chart" "${all[@]}" >"$work/lint" 2>&1 || { cat "$work/lint"; fail "helm lint with every option"; }
+out="$(render "${all[@]}")"
+for kind in ConfigMap DaemonSet Service ServiceMonitor; do
+    [[ -n "$(obj "$kind" "$out")" ]] || fail "no $kind rendered with every option"
+done
+obj ConfigMap "$out" | jq -r 'select(.metadata.name | endswith("-dashboard")) | .data["imgbridge.json"]' |
+    jq -e '.panels | length > 0' >/dev/null || fail "dashboard ConfigMap holds no dashboard JSON"
+ds="$(obj DaemonSet "$out")"
+jq -e '.spec.template.spec as $s
+    | $s.hostNetwork == true and $s.priorityClassName == "custom"
+      and $s.containers[0].image == "imgbridge@sha256:0123"
+      and $s.containers[0].ports[0].containerPort == 9555
+      and ([$s.volumes[] | select(.hostPath.path == "/etc/group")] | length == 1)
+      and ([$s.volumes[] | select(.hostPath.path == "/srv/images" and .hostPath.type == "DirectoryOrCreate")] | length == 1)
+      and ([$s.containers[0].volumeMounts[] | select(.mountPath == "/srv/images")] | length == 1)' <<<"$ds" >/dev/null ||
+    fail "every option: DaemonSet lacks hostNetwork/priority/digest/port/group file/import dir: $ds"
+obj ConfigMap "$out" | jq -r 'select(.metadata.name | endswith("-dashboard") | not) | .data["config.toml"]' >"$work/all.toml"
+for want in 'pin = true' 'pull_attempts = 7' 'drain_timeout = "20s"' 'socket_group = "docker"' \
+    'listen = "0.0.0.0:9555"' 'source_namespaces = ["default","buildkit"]' \
+    '  { path = "/srv/images", namespace = "buildkit" },'; do
+    grep -qxF "$want" "$work/all.toml" || fail "every option: config.toml lacks '$want':"$'\n'"$(cat "$work/all.toml")"
+done
+if [[ -n "$bin" ]]; then
+    "$bin" serve --config "$work/all.toml" --print-config >"$work/all.printed" || fail "imgbridge rejects the config.toml of every option"
+    grep -qxF 'namespace = "buildkit"' "$work/all.printed" || fail "imgbridge lost an import dir's namespace"
+fi
+ok "every option: ServiceMonitor, dashboard, import dirs, group file, extra config keys${bin:+ (config loads)}"
+
+# The DaemonSet of the default values restarts on a config change only.
+a="$(render | jq -r 'select(.kind == "DaemonSet") | .spec.template.metadata.annotations["checksum/config"]')"
+b="$(render --set config.replication.pin=true | jq -r 'select(.kind == "DaemonSet") | .spec.template.metadata.annotations["checksum/config"]')"
+[[ -n "$a" && "$a" != "$b" ]] || fail "checksum/config does not follow the config ($a, $b)"
+ok "checksum/config changes with the config"
+
+if "$helm" template imgbridge "$chart" --set runtime=docker >"$work/bad" 2>&1; then
+    fail "runtime=docker rendered"
+fi
+grep -q 'runtime "docker": no such preset (one of: containerd, k0s, k3s, kind, microk8s, rke2)' "$work/bad" ||
+    fail "runtime=docker error does not name the presets: $(cat "$work/bad")"
+ok "an unknown runtime fails, naming the presets"
+
+# The pod as a static pod: no API object referenced, config from the host.
+HELM="$helm" scripts/static-pod.sh "$work/manifests/imgbridge.json" "$work/etc-imgbridge" \
+    --set containerdSocket=/tmp/test-containerd/containerd.sock --set hostNetwork=true
+jq -e --arg d "$work/etc-imgbridge" '.kind == "Pod" and .spec.hostNetwork == true
+    and ([.spec.volumes[] | select(.name == "config") | .hostPath.path == $d] == [true])
+    and ([.spec.volumes[] | select(.name == "containerd") | .hostPath.path] == ["/tmp/test-containerd"])
+    and (.spec.automountServiceAccountToken == false)' "$work/manifests/imgbridge.json" >/dev/null ||
+    fail "static pod: $(cat "$work/manifests/imgbridge.json")"
+grep -qxF 'upstream = "/tmp/test-containerd/containerd.sock"' "$work/etc-imgbridge/config.toml" ||
+    fail "static pod config: $(cat "$work/etc-imgbridge/config.toml")"
+# The pod is the DaemonSet's, unchanged.
+cmp <(jq -cS .spec "$work/manifests/imgbridge.json") \
+    <(render --set containerdSocket=/tmp/test-containerd/containerd.sock --set hostNetwork=true \
+        --set-string configHostPath="$work/etc-imgbridge" | jq -cS 'select(.kind == "DaemonSet") | .spec.template.spec') ||
+    fail "static pod spec differs from the DaemonSet's pod template"
+ok "scripts/static-pod.sh: the DaemonSet's pod as a static pod, config.toml in its host dir"
+
+HELM="$helm" scripts/render-manifest.sh "$work/daemonset.yaml"
+diff -u packaging/kubernetes/daemonset.yaml "$work/daemonset.yaml" ||
+    fail "packaging/kubernetes/daemonset.yaml is not the chart's rendering: run scripts/render-manifest.sh"
+ok "packaging/kubernetes/daemonset.yaml is the chart's rendering"
+
+echo "chart: $passed passed, 0 failed"

@@ -1,0 +1,274 @@
+//! The chart's DaemonSet pod, run for real: the project's own image (the
+//! release's static binary, no base image) imported into `k8s.io`, the
+//! chart's pod rendered for this test's containerd (`scripts/static-pod.sh`:
+//! the DaemonSet's pod template, nothing added) and run as a static pod by
+//! the real kubelet, with its read-only root, dropped capabilities, seccomp
+//! profile and probes. buildkitd builds through the socket the pod exposes,
+//! and kubelet runs each build's image the moment buildctl returns.
+//!
+//! Then an upgrade, as a DaemonSet's rolling update makes it: the pod's
+//! image is replaced while a build is in flight. The old pod drains the
+//! build's write, whose image is then in `k8s.io` when buildctl returns;
+//! the next build goes through the new pod.
+
+mod common;
+
+use std::fs::File;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
+use common::peers::Buildkitd;
+use common::project::{project_image, ProjectImage};
+use common::*;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::Value;
+use tempfile::TempDir;
+
+/// The chart's pod: `imgbridge` in `kube-system`, container `imgbridge`.
+const POD: &str = "imgbridge";
+const NS: &str = "kube-system";
+
+/// The node's paths the chart's pod mounts, all under one temp dir.
+struct Node {
+    dir: TempDir,
+    metrics: u16,
+}
+
+impl Node {
+    fn new() -> Node {
+        Node {
+            dir: tempdir("node-"),
+            metrics: free_port(),
+        }
+    }
+
+    /// The socket the pod exposes (the chart's `socket.dir`).
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("run-imgbridge/containerd.sock")
+    }
+
+    /// Renders the chart's pod for `image` into kubelet's manifest dir
+    /// (replacing the one there: kubelet rolls the pod).
+    fn render(&self, k: &Kubelet, c: &Containerd, image: &ProjectImage) {
+        let d = self.dir.path();
+        let mut cmd = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/static-pod.sh"
+        ));
+        cmd.arg(k.manifests().join("imgbridge.json"))
+            .arg(d.join("etc-imgbridge"))
+            .arg("--set-string")
+            .arg(format!("containerdSocket={}", c.socket().display()))
+            .arg("--set-string")
+            .arg(format!("image.tag={}", image.tag))
+            .arg("--set-string")
+            .arg(format!("socket.dir={}", d.join("run-imgbridge").display()))
+            .arg("--set-string")
+            .arg(format!("stateDir={}", d.join("state").display()))
+            .args(["--set", "hostNetwork=true"])
+            .args(["--set", &format!("metrics.port={}", self.metrics)])
+            // A replica in k8s.io on return is the proxied write's doing,
+            // not the catch-up pass's.
+            .args(["--set", "config.reconcile.enabled=false"]);
+        run_ok(cmd);
+    }
+
+    /// Waits until kubelet reports the chart's pod running `image` and
+    /// ready (its readiness probe passed), and its socket answers.
+    fn wait_ready(&self, k: &Kubelet, image: &ProjectImage) -> Value {
+        let want = format!("imgbridge:{}", image.tag);
+        let sock = self.socket();
+        poll(KUBELET_POD_TIMEOUT, || {
+            let p = k.pod_in(NS, POD)?;
+            let s = &p["status"];
+            let ready = s["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let image_ok = p["spec"]["containers"][0]["image"] == want.as_str();
+            let answers = std::os::unix::net::UnixStream::connect(&sock).is_ok();
+            (ready && image_ok && answers).then_some(p)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the chart's pod ({want}) is not ready within {KUBELET_POD_TIMEOUT:?}: kubelet reports {}\n--- its log ---\n{}\n--- kubelet log ---\n{}",
+                k.pod_in(NS, POD).map(|p| p["status"].to_string()).unwrap_or_else(|| "no such pod".into()),
+                k.pod_in(NS, POD).map(|p| k.log_of(&p, POD)).unwrap_or_default(),
+                k.log_tail()
+            )
+        })
+    }
+}
+
+fn busybox() -> Vec<u8> {
+    std::fs::read("/bin/busybox").expect("static busybox (busybox-static)")
+}
+
+/// Builds `docker.io/library/ds-app:<tag>` holding busybox and `/v` =
+/// `content` (FROM scratch: nothing to fetch).
+fn build_scratch(bk: &Buildkitd, tag: &str, content: &str) -> String {
+    bk.build(
+        "FROM scratch\nCOPY --chmod=755 busybox /bin/busybox\nCOPY v /v\n",
+        &[("busybox", &busybox()), ("v", content.as_bytes())],
+        &format!("type=image,name=docker.io/library/ds-app:{tag}"),
+        &[],
+    );
+    format!("ds-app:{tag}")
+}
+
+/// Runs `image` in static pod `pod` (`imagePullPolicy: Never`: kubelet
+/// uses what is in k8s.io or fails at once) printing `/v` or `file`.
+fn run_at_once(k: &Kubelet, pod: &str, image: &str, file: &str, expect: &str) {
+    let script = format!("cat {file}; echo; exec /bin/busybox sleep 100000");
+    k.write_pod(&StaticPod::new(pod, image, &script).policy("Never"));
+    k.wait_running(pod, image, expect);
+}
+
+/// containerd's in-progress writes in `ns` (offset of each), read on its
+/// own socket.
+fn ingests(rt: &tokio::runtime::Runtime, c: &Containerd, ns: &str) -> Vec<i64> {
+    rt.block_on(async {
+        let mut content = content_client(c.socket()).await;
+        let req = containerd_client::services::v1::ListStatusesRequest::default();
+        content
+            .list_statuses(with_ns(req, ns))
+            .await
+            .map(|r| r.into_inner().statuses.iter().map(|s| s.offset).collect())
+            .unwrap_or_default()
+    })
+}
+
+fn signal(pid: u32, sig: Signal) {
+    kill(Pid::from_raw(pid as i32), sig).expect("signal buildkitd");
+}
+
+fn text_from(s: &str, from: usize) -> &str {
+    s.get(from..).unwrap_or_default()
+}
+
+/// The chart's pod serves builds, and survives an upgrade with a build in
+/// flight.
+#[test]
+fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
+    let c = Scenario::cri().containerd();
+    let Some(k) = Kubelet::start(KubeletOpts::new(c.socket())) else {
+        return;
+    };
+    let (v1, v2) = (project_image(""), project_image("-next"));
+    for img in [&v1, &v2] {
+        ctr_import(c.socket(), "k8s.io", &img.archive);
+    }
+    let node = Node::new();
+    node.render(&k, &c, &v1);
+    let started = Instant::now();
+    let old = node.wait_ready(&k, &v1);
+    eprintln!("the chart's pod ready in {:?}", started.elapsed());
+
+    // A build through the pod's socket runs at once.
+    let reg = Registry::start();
+    let Some(bk) = Buildkitd::start(&node.socket(), "buildkit", Some(&reg.addr())) else {
+        return;
+    };
+    let first = unique_name("ds-first");
+    let image = build_scratch(&bk, "1", &first);
+    run_at_once(&k, "app-1", &image, "/v", &first);
+
+    // The upgrade, with a build in flight: FROM a base in the registry with
+    // only a LABEL, buildkit names the image, then writes the base's layers
+    // it never fetched (lazy; the second is 96 MiB), then returns. buildkitd
+    // is frozen in the middle of that last write; the pod's image is
+    // replaced; once the old pod has let go of the socket (SIGTERM: it
+    // drains), buildkitd goes on.
+    let base = TestImage::build("ds-base:1", 1, &[], 96 << 20);
+    let base_ref = base.push(&reg.addr());
+    let name = "docker.io/library/ds-app:2";
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let sock = node.socket();
+    let old_log = thread::scope(|s| {
+        let build = s.spawn(|| {
+            bk.build(
+                &format!("FROM {base_ref}\nLABEL round=upgrade\n"),
+                &[],
+                &format!("type=image,name={name}"),
+                &[],
+            );
+            Instant::now()
+        });
+        let frozen = poll(Duration::from_secs(60), || {
+            let named = c.ctr("buildkit", ["images", "ls", "-q"]);
+            let named = String::from_utf8_lossy(&named.stdout)
+                .lines()
+                .any(|l| l == name);
+            (named && ingests(&rt, &c, "buildkit").iter().any(|&o| o > 2 << 20))
+                .then(|| signal(bk.pid(), Signal::SIGSTOP))
+        });
+        if frozen.is_none() {
+            signal(bk.pid(), Signal::SIGCONT);
+            panic!("the build never wrote its lazy layer:\n{}", bk.log_tail());
+        }
+        let in_flight = ingests(&rt, &c, "buildkit");
+        // Opened now: kubelet removes the old pod's log with the pod.
+        let mut old_log = File::open(k.log_path_of(&old, POD)).expect("the old pod's log");
+        let upgrade = Instant::now();
+        node.render(&k, &c, &v2);
+        let released = poll(Duration::from_secs(30), || {
+            (!sock.exists()).then(|| upgrade.elapsed())
+        });
+        signal(bk.pid(), Signal::SIGCONT);
+        let released = released.unwrap_or_else(|| {
+            panic!(
+                "the old pod kept its socket 30 s after the upgrade:\n{}",
+                k.log_tail()
+            )
+        });
+        node.wait_ready(&k, &v2);
+        let serving = upgrade.elapsed();
+        let built = build.join().expect("the build in flight at the upgrade");
+        eprintln!(
+            "upgrade: {} write(s) in flight at offsets {in_flight:?}; after the new manifest: \
+             socket released {released:?}, new pod ready {serving:?}, the build returned {:?}",
+            in_flight.len(),
+            built - upgrade
+        );
+        let mut text = String::new();
+        old_log
+            .read_to_string(&mut text)
+            .expect("read the old pod's log");
+        text
+    });
+    // The build's image is in k8s.io as buildctl returns: kubelet runs it.
+    run_at_once(
+        &k,
+        "app-2",
+        "ds-app:2",
+        "/layer1.txt",
+        "layer 1 of ds-base:1",
+    );
+    // The old pod linked the frozen write's blob after SIGTERM, then
+    // drained and stopped, within the drain timeout.
+    let after = |from: usize, what: &str| {
+        (text_from(&old_log, from).find(what)).map(|i| from + i + what.len())
+    };
+    let order = after(0, "SIGTERM received")
+        .and_then(|i| after(i, "linked a blob that arrived after its image"))
+        .and_then(|i| after(i, "\"drained\""))
+        .and_then(|i| after(i, "imgbridge stopped"));
+    assert!(
+        order.is_some() && !old_log.contains("still running at drain timeout"),
+        "the old pod did not drain the write in flight:\n{old_log}"
+    );
+
+    // The next build goes through the new pod.
+    let new = node.wait_ready(&k, &v2);
+    assert_ne!(old["metadata"]["uid"], new["metadata"]["uid"]);
+    let next = unique_name("ds-next");
+    let image = build_scratch(&bk, "3", &next);
+    run_at_once(&k, "app-3", &image, "/v", &next);
+    assert!(
+        k.log_of(&new, POD).contains("replicated"),
+        "the next build did not go through the new pod"
+    );
+    k.stop();
+}
