@@ -9,16 +9,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use futures_util::stream::Stream;
 use futures_util::task::AtomicWaker;
 use tokio::net::UnixStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use super::ctx::Ctx;
+use super::error::SpliceError;
 use super::frame::{self, Reason};
 use super::pump::Pump;
-use super::streams::{error_reply, State};
-use super::{Ctx, Out, Side, SpliceError, DESYNC};
+use super::reply::error_reply;
+use super::side::{Out, Side};
+use super::streams::State;
 use crate::proxy::sock::Sock;
+
+/// What the client is told when the splice can no longer read its header
+/// blocks (GOAWAY debug data, which client libraries log).
+const DESYNC: &str = "imgbridge lost track of this connection's header compression (HPACK) \
+    and cannot tell which calls it carries; reconnect";
 
 /// One client connection and its containerd connection.
 pub(super) struct Conn {
@@ -194,7 +201,7 @@ impl Conn {
             self.st.ctx.upstream.display()
         );
         let waiting: Vec<u32> = (self.st.calls.iter())
-            .filter(|(_, c)| !c.refused && !c.held.as_ref().is_some_and(|h| h.reply_done()))
+            .filter(|(_, c)| !c.refused() && !c.reply_held())
             .map(|(id, _)| *id)
             .collect();
         for id in waiting {
@@ -281,10 +288,7 @@ impl Conn {
                 }
                 return Poll::Pending;
             }
-            while !self.st.hooks.is_empty() {
-                let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) else {
-                    break;
-                };
+            while let Some(outcome) = self.st.hooks.poll_next(cx) {
                 let out = Out {
                     up: &mut self.up.inject,
                     down: &mut self.down.inject,
@@ -333,7 +337,7 @@ impl Conn {
                 return Poll::Ready(Ok(()));
             }
             if self.st.goaway.is_some()
-                && self.st.calls.values().all(|c| c.refused)
+                && self.st.calls.values().all(|c| c.refused())
                 && self.up.idle()
                 && self.down.idle()
             {
@@ -347,7 +351,7 @@ impl Conn {
             }
             // Go round again only for work queued after its pump was polled.
             let again = self.up.inject.len() > queued_up
-                || std::mem::take(&mut self.st.hooks_added)
+                || self.st.hooks.take_added()
                 || (self.ending && self.down.block.is_none());
             if !again {
                 return Poll::Pending;

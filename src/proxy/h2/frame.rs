@@ -12,6 +12,24 @@ pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
 /// so their size never depends on SETTINGS.
 pub const EMIT_PAYLOAD: usize = 16_384;
 
+/// Largest header block (metadata), as containerd accepts.
+pub(super) const MAX_BLOCK: usize = 16 << 20;
+
+/// Most CONTINUATION frames one header block may have. Empty ones add no
+/// bytes, so [`MAX_BLOCK`] alone would not bound a flood of them: each
+/// costs the splice a pass, and the block holds the connection open.
+///
+/// The count is the largest block over the smallest frame size every peer
+/// must accept (16,384 bytes): senders fill their header frames, and
+/// grpc-go (containerd, and most clients) splits header blocks at 16 KiB
+/// whatever SETTINGS_MAX_FRAME_SIZE allows, so a count derived from a
+/// larger negotiated frame size would cut off a legitimate large block.
+/// Plus 8 for frames that are not full: an encoder may close a block with
+/// an empty CONTINUATION carrying END_HEADERS after one it filled exactly,
+/// and a few partial frames are no flood. A flood is cut after 1,032
+/// frames (about 9 KiB of frame headers).
+pub(super) const MAX_CONTINUATIONS: usize = MAX_BLOCK / EMIT_PAYLOAD + 8;
+
 /// A frame's type (RFC 9113 §6). The splice acts on a few and relays the
 /// rest; a type it does not know (an extension, RFC 9113 §5.5) is relayed
 /// untouched as `Other`.

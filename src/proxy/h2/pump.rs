@@ -10,9 +10,12 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 
+use super::error::{malformed, SpliceError};
 use super::frame::{self, Head, Kind, HEADER_LEN};
+use super::headers::Block;
+use super::side::{Out, Side};
 use super::streams::State;
-use super::{malformed, Out, Side, SpliceError};
+use super::verdict::Verdict;
 use crate::proxy::sock::Sock;
 
 /// Read buffer per direction; as large as the floor relay's.
@@ -81,16 +84,6 @@ pub(super) struct Pump {
 enum Seg {
     Buf(usize, usize),
     Own(Bytes),
-}
-
-pub(super) struct Block {
-    pub(super) stream: u32,
-    pub(super) end_stream: bool,
-    /// Its frames go out as they came (see [`State::mirror`](super::streams::State::mirror)).
-    pub(super) forward: bool,
-    pub(super) bytes: Vec<u8>,
-    /// CONTINUATION frames so far (empty ones too).
-    pub(super) continuations: usize,
 }
 
 impl Pump {
@@ -192,7 +185,7 @@ impl Pump {
                 return Ok(());
             }
             let head = Head::parse(&self.buf[self.scan..]);
-            let limit = st.frame_limit(self.from);
+            let limit = st.headers.frame_limit(self.from);
             if head.len > limit {
                 return Err(SpliceError::FrameTooLarge(self.from, head.len, limit));
             }
@@ -472,13 +465,6 @@ impl Drop for Pump {
     fn drop(&mut self) {
         give_buf(std::mem::take(&mut self.buf));
     }
-}
-
-/// What becomes of a whole frame the splice looked at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Verdict {
-    Forward,
-    Swallow,
 }
 
 #[cfg(test)]

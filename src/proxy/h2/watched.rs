@@ -25,10 +25,7 @@ use std::collections::VecDeque;
 use bytes::{Bytes, BytesMut};
 
 use super::frame::{self, Head, Kind};
-use super::held::Outcome;
 use super::hpack;
-use super::streams::State;
-use super::Out;
 use crate::proxy::grpc;
 use crate::proxy::intercept::{StreamWatch, WatchFuture, WATCH_HEAD};
 
@@ -412,46 +409,6 @@ pub(super) struct Released {
     pub(super) block: bool,
     pub(super) status: Option<i32>,
     pub(super) data: u64,
-}
-
-impl State {
-    /// Acts on a watched call's [`Step`] for a reply frame or block.
-    pub(super) fn watch_step(&mut self, stream: u32, step: Step, out: Out<'_>) {
-        match step {
-            Step::Pass | Step::Kept => {}
-            // Linking a blob containerd has committed.
-            Step::Run(f) => self.detach(f, move |_| Outcome::Watch { stream }),
-            Step::Release => self.watch_release(stream, out),
-        }
-    }
-
-    /// A watched call's future ended.
-    pub(super) fn watch_resume(&mut self, stream: u32, out: Out<'_>) {
-        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut()) else {
-            return; // the client gave up meanwhile
-        };
-        let step = w.resume();
-        self.watch_step(stream, step, out);
-    }
-
-    /// Sends on what a watched call's hold kept.
-    pub(super) fn watch_release(&mut self, stream: u32, out: Out<'_>) {
-        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut()) else {
-            return; // the client gave up meanwhile
-        };
-        let r = w.release(stream);
-        if !r.frames.is_empty() {
-            out.down.push_back(r.frames);
-        }
-        if let Some(o) = &self.ctx.observer {
-            o.bytes_relayed(r.data);
-        }
-        if r.block {
-            self.record_status(stream, r.ended, r.status);
-        } else if r.ended {
-            self.end_call(stream);
-        }
-    }
 }
 
 #[cfg(test)]
