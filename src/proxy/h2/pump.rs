@@ -150,17 +150,8 @@ impl Pump {
     /// Moves the bytes read so far forward: DATA of ordinary calls as is, the
     /// rest through [`State::frame`](super::streams::State::frame).
     fn classify(&mut self, other: &mut VecDeque<Bytes>, st: &mut State) -> Result<(), SpliceError> {
-        if self.preface {
-            if self.end - self.scan < frame::PREFACE.len() {
-                self.want = frame::PREFACE.len();
-                return Ok(());
-            }
-            if &self.buf[self.scan..self.scan + frame::PREFACE.len()] != frame::PREFACE {
-                return Err(SpliceError::Preface);
-            }
-            self.push_buf(self.scan, self.scan + frame::PREFACE.len());
-            self.scan += frame::PREFACE.len();
-            self.preface = false;
+        if self.preface && !self.preface()? {
+            return Ok(());
         }
         loop {
             if self.skip > 0 {
@@ -229,24 +220,53 @@ impl Pump {
             if self.from == Side::Containerd {
                 self.settle(st)?;
             }
-            let frame = &self.buf[self.scan..self.scan + total];
-            let out = match self.from {
-                Side::Client => Out {
-                    up: &mut self.emit,
-                    down: other,
-                },
-                Side::Containerd => Out {
-                    up: other,
-                    down: &mut self.emit,
-                },
-            };
-            let verdict = st.frame(self.from, &head, frame, &mut self.block, out)?;
-            if verdict == Verdict::Forward {
-                self.push_buf(self.scan, self.scan + total);
-            }
-            self.segs.extend(self.emit.drain(..).map(Seg::Own));
-            self.scan += total;
+            self.whole_frame(&head, total, other, st)?;
         }
+    }
+
+    /// The client's connection preface: `Ok(false)` while it is not all in.
+    fn preface(&mut self) -> Result<bool, SpliceError> {
+        if self.end - self.scan < frame::PREFACE.len() {
+            self.want = frame::PREFACE.len();
+            return Ok(false);
+        }
+        if &self.buf[self.scan..self.scan + frame::PREFACE.len()] != frame::PREFACE {
+            return Err(SpliceError::Preface);
+        }
+        self.push_buf(self.scan, self.scan + frame::PREFACE.len());
+        self.scan += frame::PREFACE.len();
+        self.preface = false;
+        Ok(true)
+    }
+
+    /// A whole frame at `scan` (`total` bytes), through
+    /// [`State::frame`](super::streams::State::frame): forwarded or not,
+    /// with what it puts in its place.
+    fn whole_frame(
+        &mut self,
+        head: &Head,
+        total: usize,
+        other: &mut VecDeque<Bytes>,
+        st: &mut State,
+    ) -> Result<(), SpliceError> {
+        let frame = &self.buf[self.scan..self.scan + total];
+        let out = match self.from {
+            Side::Client => Out {
+                up: &mut self.emit,
+                down: other,
+            },
+            Side::Containerd => Out {
+                up: other,
+                down: &mut self.emit,
+            },
+        };
+        let verdict = st.frame(self.from, head, frame, &mut self.block, out)?;
+        if verdict == Verdict::Forward {
+            self.push_buf(self.scan, self.scan + total);
+        }
+        self.segs.extend(self.emit.drain(..).map(Seg::Own));
+        self.scan += total;
+        Ok(())
     }
 
     fn flush(&mut self, cx: &mut Context<'_>, dst: &mut Sock) -> Poll<io::Result<()>> {
