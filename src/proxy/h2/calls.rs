@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::frame::StreamId;
 use super::held::Held;
 use super::watched::Watched;
 use crate::proxy::observe::CallGuard;
@@ -91,7 +92,7 @@ impl Call {
 }
 
 /// The open calls by stream id.
-pub(super) type Calls = HashMap<u32, Call, BuildHasherDefault<StreamIdHasher>>;
+pub(super) type Calls = HashMap<StreamId, Call, BuildHasherDefault<StreamIdHasher>>;
 
 /// Stream ids are distinct small integers: a multiply spreads them over the
 /// hash bits; SipHash was a measurable share of a call's CPU.

@@ -15,7 +15,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::ctx::Ctx;
 use super::error::SpliceError;
-use super::frame::{self, Reason};
+use super::frame::{self, Reason, StreamId};
 use super::pump::Pump;
 use super::reply::error_reply;
 use super::side::{Out, Side};
@@ -213,7 +213,7 @@ impl Conn {
             "imgbridge: containerd at {} closed the connection",
             self.st.ctx.upstream.display()
         );
-        let waiting: Vec<u32> = (self.st.calls.iter())
+        let waiting: Vec<StreamId> = (self.st.calls.iter())
             .filter(|(_, c)| !c.refused() && !c.reply_held())
             .map(|(id, _)| *id)
             .collect();
@@ -229,7 +229,7 @@ impl Conn {
         }
         // The first step of a graceful GOAWAY (RFC 9113 §6.8): no new calls
         // here, but calls already on their way are still answered.
-        (self.down.inject).push_back(frame::goaway(0x7fff_ffff, Reason::NO_ERROR));
+        (self.down.inject).push_back(frame::goaway(StreamId::MAX, Reason::NO_ERROR));
         self.phase = Phase::Lost {
             grace: Box::pin(tokio::time::sleep(LOST_GRACE)),
         };
@@ -428,7 +428,7 @@ mod tests {
         drop(server); // containerd dies with the call in flight
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -450,7 +450,7 @@ mod tests {
         // A call that was already on its way is answered the same way.
         client.write_all(&request(3, "/t.S/Plain")).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 3));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 3));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())));
         drop(client);
@@ -505,7 +505,7 @@ mod tests {
         assert_eq!(h.kind, Kind::GoAway);
         assert_eq!(&p[..4], &3u32.to_be_bytes(), "both calls were accepted");
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(
@@ -516,7 +516,7 @@ mod tests {
         assert!(msg.1.contains("restarting"), "{msg:?}");
         let (h, p) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream, &p[..]),
+            (h.kind, h.stream.get(), &p[..]),
             (Kind::RstStream, 1, &Reason::CANCEL.0.to_be_bytes()[..])
         );
 
@@ -531,11 +531,15 @@ mod tests {
         late.extend(ok_reply(3));
         server.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes(), "the dropped event's credit");
         for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
             let (h, _) = read_frame(&mut client).await;
-            assert_eq!((h.kind, h.stream), (kind, 3), "nothing more on stream 1");
+            assert_eq!(
+                (h.kind, h.stream.get()),
+                (kind, 3),
+                "nothing more on stream 1"
+            );
         }
         nothing_more(&mut client).await;
         drop(client);
@@ -586,13 +590,13 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
         nothing_more(&mut client).await;
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -622,12 +626,12 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
         drop(client);
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -655,14 +659,14 @@ mod tests {
         client.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
         assert_eq!(
-            (h.kind, h.stream, &p[..]),
+            (h.kind, h.stream.get(), &p[..]),
             (Kind::RstStream, 3, &7u32.to_be_bytes()[..])
         );
         let mut got = vec![0; late.len()];
         server.read_exact(&mut got).await.unwrap();
         let (h, _) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream),
+            (h.kind, h.stream.get()),
             (Kind::RstStream, 3),
             "containerd drops it too"
         );

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 
 use super::error::{hpack_error, SpliceError};
-use super::frame::{self, Head};
+use super::frame::{self, Head, StreamId};
 use super::hpack::{self, Decoder};
 use super::settings::Advertised;
 use super::side::Side;
@@ -24,7 +24,7 @@ const OUT_ARENA: usize = 4096;
 
 /// A header block that spans CONTINUATION frames, gathered until its end.
 pub(super) struct Block {
-    pub(super) stream: u32,
+    pub(super) stream: StreamId,
     pub(super) end_stream: bool,
     /// Its frames go out as they came (see [`Headers::mirrored`]).
     pub(super) forward: bool,
@@ -178,7 +178,7 @@ impl Headers {
     /// frames on `stream`, and its `grpc-status`.
     pub(super) fn reencode(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
     ) -> Result<(Bytes, Option<i32>), SpliceError> {

@@ -23,7 +23,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head, Reason};
+use super::frame::{self, Head, Reason, StreamId};
 use super::hpack;
 use super::reply::error_reply;
 use super::side::Out;
@@ -257,9 +257,11 @@ impl Held {
 
     /// Gives back flow-control credit held frames took and never delivered.
     pub(super) fn credit_back(&self, out: Out<'_>) {
-        out.up.extend(frame::window_update(0, self.reply.flow));
+        out.up
+            .extend(frame::window_update(StreamId::ZERO, self.reply.flow));
         if let Some(p) = self.parked() {
-            out.down.extend(frame::window_update(0, p.flow));
+            out.down
+                .extend(frame::window_update(StreamId::ZERO, p.flow));
         }
     }
 
@@ -344,7 +346,7 @@ impl Held {
 
     /// The held reply as containerd sent it (re-encoded without the dynamic
     /// table), with the credit its padding and any parked request took.
-    pub(super) fn release(self, stream: u32, out: Out<'_>) {
+    pub(super) fn release(self, stream: StreamId, out: Out<'_>) {
         let reply = &self.reply;
         let mut frames = BytesMut::new();
         if let Some(head) = &reply.head {
@@ -360,16 +362,17 @@ impl Held {
         out.down.extend(reply.reset.clone());
         // Padding the client never saw is credited back to containerd.
         out.up.extend(frame::window_update(
-            0,
+            StreamId::ZERO,
             reply.flow - reply.data.len() as u64,
         ));
         if let Some(p) = self.parked() {
-            out.down.extend(frame::window_update(0, p.flow));
+            out.down
+                .extend(frame::window_update(StreamId::ZERO, p.flow));
         }
     }
 
     /// The call answered with `status` instead of containerd's reply.
-    pub(super) fn fail(self, stream: u32, status: &tonic::Status, out: Out<'_>) {
+    pub(super) fn fail(self, stream: StreamId, status: &tonic::Status, out: Out<'_>) {
         out.down
             .push_back(error_reply(stream, status.code(), status.message()));
         out.down.extend(self.reply.reset.clone());
@@ -445,7 +448,7 @@ mod tests {
             .unwrap();
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM), "Trailers-Only error reply");
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -458,7 +461,7 @@ mod tests {
         let (h, _) = read_frame(&mut server).await;
         assert_eq!((h.kind, h.flags), (Kind::Data, frame::END_STREAM));
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes());
     }
 
@@ -559,7 +562,7 @@ mod tests {
         let mut status = None;
         loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 1, "{h:?}");
+            assert_eq!(h.stream.get(), 1, "{h:?}");
             match h.kind {
                 Kind::Data => got.extend(p),
                 Kind::Headers => {

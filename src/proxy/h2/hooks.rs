@@ -7,21 +7,22 @@ use std::task::{Context, Poll};
 use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, Stream};
 
+use super::frame::StreamId;
 use crate::proxy::intercept::Hook;
 
 /// A hook's result, back on the connection's task.
 pub(super) enum Outcome {
     Before {
-        stream: u32,
+        stream: StreamId,
         hook: Box<dyn Hook>,
         result: Result<(), tonic::Status>,
     },
     After {
-        stream: u32,
+        stream: StreamId,
         result: Result<(), tonic::Status>,
     },
     /// A watched call's future ended: what its hold kept goes on.
-    Watch { stream: u32 },
+    Watch { stream: StreamId },
 }
 
 /// The hooks' futures. Polled by the connection loop; `added` tells it to

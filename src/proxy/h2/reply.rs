@@ -4,12 +4,13 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::{frame, hpack};
+use super::frame::{self, StreamId};
+use super::hpack;
 use crate::proxy::grpc;
 
 /// Trailers with a gRPC error status on `stream`, ending a call whose reply
 /// headers (and maybe messages) the client has already had.
-pub(super) fn error_trailers(stream: u32, code: tonic::Code, message: &str) -> Bytes {
+pub(super) fn error_trailers(stream: StreamId, code: tonic::Code, message: &str) -> Bytes {
     let code = (code as i32).to_string();
     let message = grpc::encode_message(message);
     let mut out = BytesMut::new();
@@ -21,7 +22,7 @@ pub(super) fn error_trailers(stream: u32, code: tonic::Code, message: &str) -> B
 }
 
 /// A Trailers-Only gRPC error reply on `stream`.
-pub(super) fn error_reply(stream: u32, code: tonic::Code, message: &str) -> Bytes {
+pub(super) fn error_reply(stream: StreamId, code: tonic::Code, message: &str) -> Bytes {
     let code = (code as i32).to_string();
     let message = grpc::encode_message(message);
     let fields = [

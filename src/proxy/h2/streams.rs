@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use super::calls::{Call, CallPhase, Calls};
 use super::ctx::Ctx;
 use super::error::{malformed, SpliceError};
-use super::frame::{self, Head, Kind, Reason, HEADER_LEN, MAX_BLOCK, MAX_CONTINUATIONS};
+use super::frame::{self, Head, Kind, Reason, StreamId, HEADER_LEN, MAX_BLOCK, MAX_CONTINUATIONS};
 use super::headers::{Block, Headers};
 use super::held::{Effect, Held};
 use super::hooks::{Hooks, Outcome};
@@ -33,9 +33,9 @@ pub(super) struct State {
     pub(super) calls: Calls,
     pub(super) headers: Headers,
     pub(super) hooks: Hooks,
-    pub(super) last_stream: u32,
+    pub(super) last_stream: StreamId,
     /// Set once GOAWAY was sent: streams above it are refused.
-    pub(super) goaway: Option<u32>,
+    pub(super) goaway: Option<StreamId>,
     /// containerd went away; new calls are answered UNAVAILABLE.
     pub(super) lost: bool,
     /// The client closed its side: containerd's EOF is the normal end.
@@ -45,7 +45,7 @@ pub(super) struct State {
     pub(super) ended: Vec<CallGuard>,
     /// Calls no hook holds, whose bookkeeping waits until their request is
     /// written: see [`State::open_calls`].
-    pub(super) opening: Vec<(u32, Arc<str>)>,
+    pub(super) opening: Vec<(StreamId, Arc<str>)>,
     /// Which client PINGs containerd would count against it.
     pub(super) pings: Pings,
 }
@@ -57,7 +57,7 @@ impl State {
             calls: Calls::default(),
             headers: Headers::default(),
             hooks: Hooks::default(),
-            last_stream: 0,
+            last_stream: StreamId::ZERO,
             goaway: None,
             lost: false,
             client_gone: false,
@@ -100,7 +100,7 @@ impl State {
 
     /// Forgets an answered call. Its metrics are recorded after the reply
     /// is written (see `ended`), not between reading and writing it.
-    pub(super) fn end_call(&mut self, stream: u32) {
+    pub(super) fn end_call(&mut self, stream: StreamId) {
         if let Some(guard) = self.calls.remove(&stream).and_then(|c| c.guard) {
             self.ended.push(guard);
         }
@@ -241,7 +241,7 @@ impl State {
     }
 
     /// Starts tracking call `stream` in `phase`, with its metrics.
-    fn open(&mut self, stream: u32, method: Arc<str>, phase: CallPhase) {
+    fn open(&mut self, stream: StreamId, method: Arc<str>, phase: CallPhase) {
         let open_ended = open_ended(&method);
         let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), method));
         self.calls
@@ -249,7 +249,7 @@ impl State {
     }
 
     /// Whether containerd's block for `stream` goes out as it came.
-    pub(super) fn passes(&self, stream: u32) -> bool {
+    pub(super) fn passes(&self, stream: StreamId) -> bool {
         self.headers.mirrored() && self.calls.get(&stream).is_none_or(|c| c.passing())
     }
 
@@ -258,7 +258,7 @@ impl State {
     fn block_done(
         &mut self,
         from: Side,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         forwarded: bool,
         block: &[u8],
@@ -274,7 +274,7 @@ impl State {
     /// containerd's block that went out as it came: read for the status.
     pub(super) fn passed_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
     ) -> Result<(), SpliceError> {
@@ -293,7 +293,12 @@ impl State {
         SpliceError::HpackDesync(e.to_string())
     }
 
-    pub(super) fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
+    pub(super) fn record_status(
+        &mut self,
+        stream: StreamId,
+        end_stream: bool,
+        status: Option<i32>,
+    ) {
         if let Some(c) = self.calls.get_mut(&stream) {
             c.replied = true;
             if let Some(g) = c.guard.as_mut() {
@@ -309,7 +314,7 @@ impl State {
     /// gives it, or refused), or request trailers.
     pub(super) fn request_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
         out: Out<'_>,
@@ -368,7 +373,7 @@ impl State {
     /// or watched call, or re-encoded (dropped for a refused call).
     fn response_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
         out: Out<'_>,
@@ -412,7 +417,7 @@ impl State {
     }
 
     /// RST_STREAM on `stream`: what it ends, and whether it goes on.
-    fn reset(&mut self, from: Side, stream: u32, frame: &[u8], out: Out<'_>) -> Verdict {
+    fn reset(&mut self, from: Side, stream: StreamId, frame: &[u8], out: Out<'_>) -> Verdict {
         if let (Side::Containerd, Some(call)) = (from, self.calls.get_mut(&stream)) {
             match &mut call.phase {
                 CallPhase::Refused => {
@@ -446,7 +451,9 @@ impl State {
                         }
                     }
                 }
-                CallPhase::Watched(w) => out.up.extend(frame::window_update(0, w.kept_credit())),
+                CallPhase::Watched(w) => out
+                    .up
+                    .extend(frame::window_update(StreamId::ZERO, w.kept_credit())),
                 CallPhase::Passing | CallPhase::Refused => {}
             }
         }
@@ -474,7 +481,7 @@ impl State {
             CallPhase::Passing => Ok(Verdict::Forward),
             CallPhase::Refused => {
                 // Dropped: the sender gets its flow-control credit back.
-                let credit = frame::window_update(0, head.len as u64);
+                let credit = frame::window_update(StreamId::ZERO, head.len as u64);
                 out.to(from).extend(credit);
                 Ok(Verdict::Swallow)
             }
@@ -527,7 +534,7 @@ fn grpc_status(fields: &[(Bytes, Bytes)]) -> Option<i32> {
 /// What held and watched calls ask of the connection.
 impl State {
     /// The client's END_STREAM on a held call.
-    pub(super) fn request_end(&mut self, stream: u32, mut out: Out<'_>) {
+    pub(super) fn request_end(&mut self, stream: StreamId, mut out: Out<'_>) {
         let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held_mut()) else {
             return;
         };
@@ -536,7 +543,7 @@ impl State {
     }
 
     /// Acts on what a held call asked for.
-    fn held_effect(&mut self, stream: u32, effect: Effect, out: Out<'_>) {
+    fn held_effect(&mut self, stream: StreamId, effect: Effect, out: Out<'_>) {
         match effect {
             Effect::Wait => {}
             Effect::RunBefore(mut hook, msg) => self.hooks.push(Box::pin(async move {
@@ -565,7 +572,7 @@ impl State {
 
     /// Sends a held reply on as containerd sent it. With `whole == false` the
     /// reply is still arriving: the call is left to pass through from here.
-    fn release(&mut self, stream: u32, out: Out<'_>, whole: bool) {
+    fn release(&mut self, stream: StreamId, out: Out<'_>, whole: bool) {
         let Some(call) = self.calls.get_mut(&stream) else {
             return;
         };
@@ -583,7 +590,7 @@ impl State {
     }
 
     /// Answers a held call with `status` instead of containerd's reply.
-    fn fail(&mut self, stream: u32, status: tonic::Status, out: Out<'_>) {
+    fn fail(&mut self, stream: StreamId, status: tonic::Status, out: Out<'_>) {
         let Some(mut call) = self.calls.remove(&stream) else {
             return;
         };
@@ -627,7 +634,7 @@ impl State {
     }
 
     /// Acts on a watched call's [`Step`] for a reply frame or block.
-    fn watch_step(&mut self, stream: u32, step: Step, out: Out<'_>) {
+    fn watch_step(&mut self, stream: StreamId, step: Step, out: Out<'_>) {
         match step {
             Step::Pass | Step::Kept => {}
             // Linking a blob containerd has committed.
@@ -637,7 +644,7 @@ impl State {
     }
 
     /// A watched call's future ended.
-    fn watch_resume(&mut self, stream: u32, out: Out<'_>) {
+    fn watch_resume(&mut self, stream: StreamId, out: Out<'_>) {
         let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watched_mut()) else {
             return; // the client gave up meanwhile
         };
@@ -646,7 +653,7 @@ impl State {
     }
 
     /// Sends on what a watched call's hold kept.
-    fn watch_release(&mut self, stream: u32, out: Out<'_>) {
+    fn watch_release(&mut self, stream: StreamId, out: Out<'_>) {
         let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watched_mut()) else {
             return; // the client gave up meanwhile
         };
@@ -742,7 +749,7 @@ mod tests {
                     "{f:?}"
                 );
             }
-            order.push((h.stream, h.kind));
+            order.push((h.stream.get(), h.kind));
         }
         let h = (Kind::Headers, Kind::Data);
         assert_eq!(
@@ -806,7 +813,7 @@ mod tests {
         let mut kinds = Vec::new();
         for _ in 0..3 {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 3);
+            assert_eq!(h.stream.get(), 3);
             if h.kind == Kind::Headers {
                 let f = dec.decode(&p).unwrap();
                 assert!(
@@ -848,7 +855,8 @@ mod tests {
                 up: &mut up,
                 down: &mut down,
             };
-            st.request_headers(*stream, false, b, out).unwrap();
+            st.request_headers(StreamId::new(*stream), false, b, out)
+                .unwrap();
             if *stream == 5 {
                 let seen = st
                     .headers
@@ -858,10 +866,10 @@ mod tests {
             }
         }
         let held: Vec<u32> = (1..=9)
-            .filter(|s| st.calls.get(s).is_some_and(|c| c.held().is_some()))
+            .filter(|s| (st.calls.get(&StreamId::new(*s))).is_some_and(|c| c.held().is_some()))
             .collect();
         assert_eq!(held, [7, 9]);
-        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| *s).collect();
+        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| s.get()).collect();
         plain.sort();
         assert_eq!(plain, [1, 3, 5]);
     }
@@ -924,7 +932,7 @@ mod tests {
             up: &mut up,
             down: &mut down,
         };
-        let r = st.request_headers(1, true, &block, out);
+        let r = st.request_headers(StreamId::new(1), true, &block, out);
         assert!(r.is_err(), "over the 4096 containerd allows: {r:?}");
 
         let mut st = State::new(st.ctx.clone());
@@ -943,11 +951,12 @@ mod tests {
             up: &mut up,
             down: &mut down,
         };
-        st.request_headers(1, true, &block, out).unwrap();
+        st.request_headers(StreamId::new(1), true, &block, out)
+            .unwrap();
         // containerd's own blocks follow the client's SETTINGS.
         let reply = [0x3f, 0xe1, 0x3f, 0x88];
-        st.passed_headers(1, false, &reply).unwrap();
-        let r = st.passed_headers(1, false, &[0x3f, 0xe1, 0x7f, 0x88]);
+        st.passed_headers(StreamId::new(1), false, &reply).unwrap();
+        let r = st.passed_headers(StreamId::new(1), false, &[0x3f, 0xe1, 0x7f, 0x88]);
         assert!(r.is_err(), "over the 8192 the client allows: {r:?}");
     }
 }

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head, Kind};
+use super::frame::{self, Head, Kind, StreamId};
 use super::hpack;
 use crate::proxy::grpc;
 use crate::proxy::intercept::{StreamWatch, WatchFuture, WATCH_HEAD};
@@ -354,7 +354,7 @@ impl Watched {
 
     /// Ends the hold: the kept frames, in order, for the client, whether
     /// they ended the stream, and the last `grpc-status` among them.
-    pub(super) fn release(&mut self, stream: u32) -> Released {
+    pub(super) fn release(&mut self, stream: StreamId) -> Released {
         let kept = match std::mem::replace(&mut self.hold, Hold::Off) {
             Hold::Collecting { kept, .. } | Hold::Waiting { kept, .. } => kept,
             Hold::Off => Vec::new(),
@@ -568,7 +568,7 @@ mod tests {
         }
 
         fn release(&mut self, w: &mut Watched) {
-            let r = w.release(1);
+            let r = w.release(StreamId::new(1));
             let mut f = &r.frames[..];
             while !f.is_empty() {
                 let head = Head::parse(f);
@@ -835,7 +835,7 @@ mod tests {
             let release = matches!(step, Step::Release);
             assert_eq!(release, !shown, "a large reply lets go once its head is in");
             if release {
-                w.release(1);
+                w.release(StreamId::new(1));
             }
             let f = data_frame(&replies[cut..]);
             let step = w.reply_data(&Head::parse(&f), &f, &f[frame::HEADER_LEN..]);
@@ -857,7 +857,7 @@ mod tests {
         assert!(matches!(step, Step::Kept));
         let rst = testing::frame(Kind::RstStream, 0, 1, &[0, 0, 0, 2]);
         assert!(matches!(w.reply_reset(&rst), Step::Release));
-        let r = w.release(1);
+        let r = w.release(StreamId::new(1));
         assert!(r.ended);
         assert_eq!(r.frames.len(), f.len() + rst.len());
     }
@@ -926,13 +926,13 @@ mod tests {
         let mut first = Vec::new();
         loop {
             let (h, p) = read_frame(&mut client).await;
-            if h.stream == 3 {
+            if h.stream.get() == 3 {
                 if h.has(frame::END_STREAM) {
                     break;
                 }
                 continue;
             }
-            assert_eq!(h.stream, 1);
+            assert_eq!(h.stream.get(), 1);
             assert!(!h.has(frame::END_STREAM), "the end is held too");
             if h.kind == Kind::Data {
                 first.extend(p);
@@ -950,7 +950,7 @@ mod tests {
         let mut rest = Vec::new();
         let status = loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 1);
+            assert_eq!(h.stream.get(), 1);
             match h.kind {
                 Kind::Data => rest.extend(p),
                 Kind::Headers if h.has(frame::END_STREAM) => break fields(&p),
