@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Display};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError, RwLock};
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -41,6 +41,7 @@ use serde::Serialize;
 
 use crate::containerd::breaker::{BreakObserver, Broken};
 use crate::import::{Count, ImportObserver};
+use crate::lock::{lock, read, write};
 use crate::proxy::observe::CallObserver;
 use crate::reconcile::{PassObserver, Report};
 use crate::replicate::observe::{Attempt, PendingBlob, ReplicationObserver};
@@ -552,10 +553,7 @@ impl CallObserver for Metrics {
     fn call_finished(&self, method: &str, grpc_status: Option<i32>) {
         self.in_flight.dec();
         let slot = status_slot(grpc_status);
-        let quick = self
-            .quick_calls
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let quick = read(&self.quick_calls);
         if let Some(c) = quick.get(method).and_then(|s| s[slot].as_ref()) {
             c.inc();
             return;
@@ -577,10 +575,7 @@ impl CallObserver for Metrics {
         };
         counter.inc();
         if labels.method == method {
-            let mut quick = self
-                .quick_calls
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut quick = write(&self.quick_calls);
             quick.entry(method.into()).or_default()[slot] = Some(counter);
         }
     }
@@ -629,10 +624,6 @@ pub fn status_label(code: Option<i32>) -> &'static str {
             .copied()
             .unwrap_or("invalid"),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn remember(

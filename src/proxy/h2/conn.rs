@@ -704,7 +704,7 @@ mod tests {
         fn bytes_relayed(&self, _: u64) {}
         fn call_finished(&self, _: &str, _: Option<i32>) {}
         fn hpack_desync(&self) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -742,6 +742,6 @@ mod tests {
         let mut rest = Vec::new();
         server.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty(), "containerd got {rest:?}");
-        assert_eq!(desyncs.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(desyncs.0.load(Ordering::SeqCst), 1);
     }
 }

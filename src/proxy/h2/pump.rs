@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
@@ -16,6 +16,7 @@ use super::headers::Block;
 use super::side::{Out, Side};
 use super::streams::State;
 use super::verdict::Verdict;
+use crate::lock::lock;
 use crate::proxy::sock::Sock;
 
 /// Read buffer per direction; as large as the floor relay's.
@@ -36,7 +37,7 @@ static SPARE: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 const SPARE_MAX: usize = 8;
 
 fn take_buf() -> Vec<u8> {
-    let spare = SPARE.lock().unwrap_or_else(PoisonError::into_inner).pop();
+    let spare = lock(&SPARE).pop();
     spare.unwrap_or_else(|| vec![0; BUF])
 }
 
@@ -44,7 +45,7 @@ fn give_buf(buf: Vec<u8>) {
     if buf.len() != BUF {
         return; // grown for a big frame, or never taken
     }
-    let mut spare = SPARE.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut spare = lock(&SPARE);
     if spare.len() < SPARE_MAX {
         spare.push(buf);
     }

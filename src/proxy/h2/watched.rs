@@ -422,7 +422,7 @@ mod tests {
     use tokio::sync::Notify;
     use tokio_util::sync::CancellationToken;
 
-    use super::super::testing::{self, *};
+    use super::super::testing::*;
     use super::*;
     use crate::proxy::intercept::{CallInfo, Hook, Interceptor};
 
@@ -524,7 +524,7 @@ mod tests {
     }
 
     fn data_frame(payload: &[u8]) -> Vec<u8> {
-        testing::frame(Kind::Data, 0, 1, payload)
+        frame(Kind::Data, 0, 1, payload)
     }
 
     fn block_fields(fields: &[(&str, &str)]) -> Vec<(Bytes, Bytes)> {
@@ -855,7 +855,7 @@ mod tests {
         let f = data_frame(&replies[..replies.len() - 3]);
         let step = w.reply_data(&Head::parse(&f), &f, &f[frame::HEADER_LEN..]);
         assert!(matches!(step, Step::Kept));
-        let rst = testing::frame(Kind::RstStream, 0, 1, &[0, 0, 0, 2]);
+        let rst = frame(Kind::RstStream, 0, 1, &[0, 0, 0, 2]);
         assert!(matches!(w.reply_reset(&rst), Step::Release));
         let r = w.release(StreamId::new(1));
         assert!(r.ended);
@@ -891,7 +891,7 @@ mod tests {
             start_intercepted(Arc::new(Watching(script.clone())), CancellationToken::new());
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Write"));
-        sent.extend(testing::frame(
+        sent.extend(frame(
             Kind::Data,
             frame::END_STREAM,
             1,
@@ -901,7 +901,7 @@ mod tests {
 
         let replies = messages(&[b"WROTE", b"COMMITTED sha256:x"]);
         let cut = start_of(&[b"WROTE"], 1) + 3;
-        let mut answer = testing::frame(
+        let mut answer = frame(
             Kind::Headers,
             frame::END_HEADERS,
             1,
@@ -910,7 +910,7 @@ mod tests {
         answer.extend(data_frame(&replies[..4]));
         answer.extend(data_frame(&replies[4..cut]));
         answer.extend(data_frame(&replies[cut..]));
-        answer.extend(testing::frame(
+        answer.extend(frame(
             Kind::Headers,
             frame::END_HEADERS | frame::END_STREAM,
             1,
@@ -920,7 +920,7 @@ mod tests {
 
         // A later call, answered after: its reply is the barrier.
         let mut later = request(3, "/t.S/Plain");
-        later.extend(testing::frame(Kind::Data, frame::END_STREAM, 3, &MSG));
+        later.extend(frame(Kind::Data, frame::END_STREAM, 3, &MSG));
         assert_eq!(relay(&mut client, &mut server, &later).await, later);
         server.write_all(&ok_reply(3)).await.unwrap();
         let mut first = Vec::new();
