@@ -38,6 +38,10 @@ pub const MIRRORED: &str = "docker.io";
 /// The CRI images plugin of 2.x, whose exports carry its registry settings.
 const IMAGES_PLUGIN: (&str, &str) = ("io.containerd.cri.v1", "images");
 
+/// What the image-sharing checks are reported under, and where they point.
+const WHAT: &str = "image sharing";
+const GUIDE: &str = "see docs/multi-node.md";
+
 /// Upper bound for the mirror's answer: spegel answers `/v2/` at once.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -174,8 +178,7 @@ pub(super) async fn checks(
     candidates: &[PathBuf],
     r: &mut Report,
 ) {
-    let guide = "see docs/multi-node.md";
-    let what = "image sharing";
+    let (what, guide) = (WHAT, GUIDE);
     let file = crate::containerd::node_config::locate(env, candidates);
     let reg = match cri_registry(c, version, file.as_deref()).await {
         Ok(reg) => reg,
@@ -191,6 +194,34 @@ pub(super) async fn checks(
             return;
         }
     };
+    let Some(found) = local_mirror(&reg, r).await else {
+        return;
+    };
+    r.pass(
+        "registry config_path",
+        format!("{} (from {})", reg.config_path, reg.from),
+    );
+    mirror_hosts(&found, r);
+    unpacked_layers(&reg, r);
+    pull_path(&reg, &found.first_root, r);
+    probe_mirror(&found.mirror.url, r).await;
+}
+
+/// The node's own mirror, as CRI's settings lead to it.
+struct Found {
+    hosts_path: PathBuf,
+    hosts: HostsFile,
+    /// The first host on this node that pulls.
+    mirror: Host,
+    /// The first root of `config_path`, named in fixes.
+    first_root: String,
+}
+
+/// Follows `config_path` to the `hosts.toml` for [`MIRRORED`] and a mirror
+/// on this node in it; `None` (reported: a single-node setup) when any step
+/// is missing.
+async fn local_mirror(reg: &CriRegistry, r: &mut Report) -> Option<Found> {
+    let (what, guide) = (WHAT, GUIDE);
     let example = "/etc/containerd/certs.d";
     if reg.config_path.is_empty() {
         r.warn(
@@ -198,7 +229,7 @@ pub(super) async fn checks(
             format!("single node: CRI has no registry config_path (read from {}), so kubelet pulls of images built on another node go to the registry", reg.from),
             format!("to share images between nodes through spegel: {} and a {example}/{MIRRORED}/hosts.toml naming the node's mirror; {guide}", reg.config_path_line(example)),
         );
-        return;
+        return None;
     }
     // Where the user meant mirrors to be found: every root of the list.
     let roots = reg.dirs();
@@ -209,7 +240,7 @@ pub(super) async fn checks(
             format!("single node: no hosts.toml for {MIRRORED} (nor _default) under config_path {}", reg.config_path),
             format!("to share images between nodes through spegel, write {first_root}/{MIRRORED}/hosts.toml with [host.\"http://127.0.0.1:<mirror port>\"] capabilities = [\"pull\", \"resolve\"] (spegel writes it itself); {guide}"),
         );
-        return;
+        return None;
     };
     let hosts_path = dir.join("hosts.toml");
     let hosts = match std::fs::read_to_string(&hosts_path) {
@@ -224,7 +255,7 @@ pub(super) async fn checks(
                     ),
                     format!("correct it; {guide}"),
                 );
-                return;
+                return None;
             }
         },
         Err(e) => {
@@ -233,7 +264,7 @@ pub(super) async fn checks(
                 format!("single node: {} takes {MIRRORED}'s settings but has no readable hosts.toml ({e})", dir.display()),
                 format!("write {} with [host.\"http://127.0.0.1:<mirror port>\"] capabilities = [\"pull\", \"resolve\"]; {guide}", hosts_path.display()),
             );
-            return;
+            return None;
         }
     };
     let mut local = Vec::new();
@@ -249,12 +280,25 @@ pub(super) async fn checks(
             format!("single node: {} names no mirror on this node for pulls ({})", hosts_path.display(), if named.is_empty() { "no [host] at all".to_string() } else { named.join(", ") }),
             format!("add [host.\"http://127.0.0.1:<mirror port>\"] capabilities = [\"pull\", \"resolve\"] before the others (spegel writes it itself); {guide}"),
         );
-        return;
+        return None;
     };
-    r.pass(
-        "registry config_path",
-        format!("{} (from {})", reg.config_path, reg.from),
-    );
+    Some(Found {
+        hosts_path,
+        hosts,
+        mirror,
+        first_root,
+    })
+}
+
+/// Whether the mirror also resolves tags (an image built on another node
+/// exists nowhere else).
+fn mirror_hosts(found: &Found, r: &mut Report) {
+    let Found {
+        hosts_path,
+        hosts,
+        mirror,
+        ..
+    } = found;
     let then = hosts
         .server
         .as_deref()
@@ -276,6 +320,10 @@ pub(super) async fn checks(
             format!("capabilities = [\"pull\", \"resolve\"] under [host.\"{}\"] (spegel: --resolve-tags, the default)", mirror.url),
         );
     }
+}
+
+/// Whether images pulled here keep the layer blobs other nodes would pull.
+fn unpacked_layers(reg: &CriRegistry, r: &mut Report) {
     match reg.discard_unpacked_layers {
         Some(false) => r.pass("unpacked layers", "kept (discard_unpacked_layers = false): images pulled here can be served on to other nodes"),
         Some(true) => r.warn(
@@ -289,8 +337,6 @@ pub(super) async fn checks(
             reg.discard_line(),
         ),
     }
-    pull_path(&reg, &first_root, r);
-    probe_mirror(&mirror.url, r).await;
 }
 
 /// Whether the mirror a `hosts.toml` names answers as a registry (and, for

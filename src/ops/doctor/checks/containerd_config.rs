@@ -30,48 +30,8 @@ pub(in crate::ops::doctor) fn containerd_config(
     r: &mut Report,
 ) {
     let what = "containerd config";
-    let path = match env {
-        Some(p) if !p.exists() => {
-            r.warn(
-                what,
-                format!("{CONFIG_ENV}={}: no such file", p.display()),
-                format!("point {CONFIG_ENV} at the file containerd runs with (its --config)"),
-            );
-            return;
-        }
-        Some(p) => p.to_path_buf(),
-        None => match candidates.iter().find(|p| p.exists()) {
-            Some(p) => p.clone(),
-            None => {
-                let tried: Vec<_> = candidates.iter().map(|p| p.display().to_string()).collect();
-                r.pass(
-                    what,
-                    format!("not found (tried {}); cannot check its version (set {CONFIG_ENV} to its path)", tried.join(", ")),
-                );
-                return;
-            }
-        },
-    };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) => {
-            r.pass(
-                what,
-                format!("{}: {e}; cannot check its version", path.display()),
-            );
-            return;
-        }
-    };
-    let file = match config_file_version(&text) {
-        Ok(v) => v,
-        Err(e) => {
-            r.warn(
-                what,
-                format!("{} does not parse: {e}", path.display()),
-                format!("if containerd does not run with this file, set {CONFIG_ENV} to the one it does"),
-            );
-            return;
-        }
+    let Some((path, file)) = read_version(env, candidates, r) else {
+        return;
     };
     let Some(native) = parsed.and_then(Version::native_config_version) else {
         r.pass(
@@ -83,6 +43,73 @@ pub(in crate::ops::doctor) fn containerd_config(
         );
         return;
     };
+    compare(&path, file, native, version, parsed, r);
+}
+
+/// The config file and its `version`; `None` (reported) when there is no
+/// file to read or it does not parse.
+fn read_version(
+    env: Option<&Path>,
+    candidates: &[PathBuf],
+    r: &mut Report,
+) -> Option<(PathBuf, i64)> {
+    let what = "containerd config";
+    let path = match env {
+        Some(p) if !p.exists() => {
+            r.warn(
+                what,
+                format!("{CONFIG_ENV}={}: no such file", p.display()),
+                format!("point {CONFIG_ENV} at the file containerd runs with (its --config)"),
+            );
+            return None;
+        }
+        Some(p) => p.to_path_buf(),
+        None => match candidates.iter().find(|p| p.exists()) {
+            Some(p) => p.clone(),
+            None => {
+                let tried: Vec<_> = candidates.iter().map(|p| p.display().to_string()).collect();
+                r.pass(
+                    what,
+                    format!("not found (tried {}); cannot check its version (set {CONFIG_ENV} to its path)", tried.join(", ")),
+                );
+                return None;
+            }
+        },
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => {
+            r.pass(
+                what,
+                format!("{}: {e}; cannot check its version", path.display()),
+            );
+            return None;
+        }
+    };
+    let file = match config_file_version(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            r.warn(
+                what,
+                format!("{} does not parse: {e}", path.display()),
+                format!("if containerd does not run with this file, set {CONFIG_ENV} to the one it does"),
+            );
+            return None;
+        }
+    };
+    Some((path, file))
+}
+
+/// The file's `version` against the `native` one of this containerd.
+fn compare(
+    path: &Path,
+    file: i64,
+    native: i64,
+    version: &str,
+    parsed: Option<Version>,
+    r: &mut Report,
+) {
+    let what = "containerd config";
     let p = path.display();
     let major = parsed.map_or(0, |v| v.major);
     if file == native {

@@ -2,7 +2,7 @@
 //! sharing, CRI); then the checks that need it answering.
 
 use std::os::unix::fs::FileTypeExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::containerd_config::containerd_config;
 use super::snapshotters::snapshotters;
@@ -17,34 +17,8 @@ use crate::ops::doctor::{config_candidates, mirror, timed, CONFIG_ENV};
 /// Returns whether containerd answered.
 pub(in crate::ops::doctor) async fn upstream_checks(config: &Config, r: &mut Report) -> bool {
     let sock = &config.upstream;
-    let fix_reach = "start containerd (systemctl start containerd), or point --upstream / upstream = at its socket \
-         (k3s: /run/k3s/containerd/containerd.sock; drop-in swap: /run/containerd/containerd-real.sock)";
-    match std::fs::symlink_metadata(sock) {
-        Err(e) => {
-            r.fail("upstream", format!("{}: {e}", sock.display()), fix_reach);
-            return false;
-        }
-        Ok(m) if !m.file_type().is_socket() && !m.file_type().is_symlink() => {
-            r.fail(
-                "upstream",
-                format!("{} exists but is not a socket", sock.display()),
-                fix_reach,
-            );
-            return false;
-        }
-        Ok(_) => {}
-    }
-    let c = Containerd::new(sock);
-    let version = match timed(c.version()).await {
-        Ok(v) => v,
-        Err(e) => {
-            r.fail(
-                "upstream",
-                format!("{} does not answer: {e}", sock.display()),
-                fix_reach,
-            );
-            return false;
-        }
+    let Some((c, version)) = reach(sock, r).await else {
+        return false;
     };
     r.pass(
         "upstream",
@@ -62,6 +36,62 @@ pub(in crate::ops::doctor) async fn upstream_checks(config: &Config, r: &mut Rep
         &config_candidates(sock),
         r,
     );
+    sharing(&c, r).await;
+    let cri = timed(c.has_cri()).await;
+    cri_plugin(&cri, r);
+    let cri_loaded = matches!(cri, Ok(true));
+    match cri {
+        Ok(true) => snapshotters(config, &c, r).await,
+        Ok(false) => r.pass("snapshotters", "not compared: the CRI plugin is not loaded"),
+        Err(_) => r.pass(
+            "snapshotters",
+            "not compared: cannot tell whether the CRI plugin is loaded",
+        ),
+    }
+    if cri_loaded {
+        let tuple = parsed.map(|v| (v.major, v.minor, v.patch));
+        mirror::checks(&c, tuple, env.as_deref(), &config_candidates(sock), r).await;
+    }
+    true
+}
+
+/// containerd at `sock`, and its version; `None` (reported) when there is
+/// no socket there or nothing answers.
+async fn reach(sock: &Path, r: &mut Report) -> Option<(Containerd, String)> {
+    let fix_reach = "start containerd (systemctl start containerd), or point --upstream / upstream = at its socket \
+         (k3s: /run/k3s/containerd/containerd.sock; drop-in swap: /run/containerd/containerd-real.sock)";
+    match std::fs::symlink_metadata(sock) {
+        Err(e) => {
+            r.fail("upstream", format!("{}: {e}", sock.display()), fix_reach);
+            return None;
+        }
+        Ok(m) if !m.file_type().is_socket() && !m.file_type().is_symlink() => {
+            r.fail(
+                "upstream",
+                format!("{} exists but is not a socket", sock.display()),
+                fix_reach,
+            );
+            return None;
+        }
+        Ok(_) => {}
+    }
+    let c = Containerd::new(sock);
+    let version = match timed(c.version()).await {
+        Ok(v) => v,
+        Err(e) => {
+            r.fail(
+                "upstream",
+                format!("{} does not answer: {e}", sock.display()),
+                fix_reach,
+            );
+            return None;
+        }
+    };
+    Some((c, version))
+}
+
+/// Whether replication can link blobs instead of copying them.
+async fn sharing(c: &Containerd, r: &mut Report) {
     match timed(c.sharing_policy()).await {
         Ok(p) if p == "shared" => r.pass(
             "content sharing",
@@ -78,8 +108,11 @@ pub(in crate::ops::doctor) async fn upstream_checks(config: &Config, r: &mut Rep
             "check that the Introspection service is enabled",
         ),
     }
-    let cri = timed(c.has_cri()).await;
-    match &cri {
+}
+
+/// Whether CRI is there to use (and confirm) replicas.
+fn cri_plugin(cri: &Result<bool, String>, r: &mut Report) {
+    match cri {
         Ok(true) => r.pass(
             "CRI plugin",
             "loaded: replicas are confirmed with CRI ImageStatus",
@@ -95,18 +128,4 @@ pub(in crate::ops::doctor) async fn upstream_checks(config: &Config, r: &mut Rep
             "check that the Introspection service is enabled",
         ),
     }
-    let cri_loaded = matches!(cri, Ok(true));
-    match cri {
-        Ok(true) => snapshotters(config, &c, r).await,
-        Ok(false) => r.pass("snapshotters", "not compared: the CRI plugin is not loaded"),
-        Err(_) => r.pass(
-            "snapshotters",
-            "not compared: cannot tell whether the CRI plugin is loaded",
-        ),
-    }
-    if cri_loaded {
-        let tuple = parsed.map(|v| (v.major, v.minor, v.patch));
-        mirror::checks(&c, tuple, env.as_deref(), &config_candidates(sock), r).await;
-    }
-    true
 }
