@@ -102,32 +102,7 @@ pub fn from_status(config_json: &str) -> Option<CriRegistry> {
 pub fn from_config_file(text: &str, version: (u64, u64, u64)) -> Result<CriRegistry, String> {
     let t: toml::Table = toml::from_str(text).map_err(|e| one_line(&e.to_string()))?;
     let file_version = t.get("version").and_then(|v| v.as_integer()).unwrap_or(1);
-    let plugins = t.get("plugins").and_then(|p| p.as_table());
-    let plugin = |id: &str| plugins.and_then(|p| p.get(id)).and_then(|p| p.as_table());
-    let mut images = plugin("io.containerd.cri.v1.images")
-        .cloned()
-        .unwrap_or_default();
-    if file_version < 3 {
-        // Version 1 names the plugin `cri`; version 2 by its full id.
-        if let Some(cri) = plugin("io.containerd.grpc.v1.cri").or_else(|| plugin("cri")) {
-            for key in [
-                "registry",
-                "max_concurrent_downloads",
-                "image_pull_with_sync_fs",
-            ] {
-                if let Some(v) = cri.get(key) {
-                    images.insert(key.into(), v.clone());
-                }
-            }
-            if let Some(c) = cri.get("containerd").and_then(|c| c.as_table()) {
-                for key in ["disable_snapshot_annotations", "discard_unpacked_layers"] {
-                    if let Some(v) = c.get(key) {
-                        images.insert(key.into(), v.clone());
-                    }
-                }
-            }
-        }
-    }
+    let images = migrated_images(&t, file_version);
     let registry = images.get("registry").and_then(|r| r.as_table());
     let non_empty = |key: &str| {
         registry
@@ -190,6 +165,38 @@ pub fn from_config_file(text: &str, version: (u64, u64, u64)) -> Result<CriRegis
         from: String::new(),
         v1_layout: file_version < 3,
     })
+}
+
+/// `io.containerd.cri.v1.images` as containerd sees it: from a version 1/2
+/// file, with the keys it migrates from `io.containerd.grpc.v1.cri`.
+fn migrated_images(t: &toml::Table, file_version: i64) -> toml::Table {
+    let plugins = t.get("plugins").and_then(|p| p.as_table());
+    let plugin = |id: &str| plugins.and_then(|p| p.get(id)).and_then(|p| p.as_table());
+    let mut images = plugin("io.containerd.cri.v1.images")
+        .cloned()
+        .unwrap_or_default();
+    if file_version < 3 {
+        // Version 1 names the plugin `cri`; version 2 by its full id.
+        if let Some(cri) = plugin("io.containerd.grpc.v1.cri").or_else(|| plugin("cri")) {
+            for key in [
+                "registry",
+                "max_concurrent_downloads",
+                "image_pull_with_sync_fs",
+            ] {
+                if let Some(v) = cri.get(key) {
+                    images.insert(key.into(), v.clone());
+                }
+            }
+            if let Some(c) = cri.get("containerd").and_then(|c| c.as_table()) {
+                for key in ["disable_snapshot_annotations", "discard_unpacked_layers"] {
+                    if let Some(v) = c.get(key) {
+                        images.insert(key.into(), v.clone());
+                    }
+                }
+            }
+        }
+    }
+    images
 }
 
 /// One `[host."…"]` of a `hosts.toml`.
