@@ -157,6 +157,22 @@ impl Common {
     }
 }
 
+impl ServeArgs {
+    /// `serve`'s own flags that override the file.
+    fn flags(&self) -> Overrides {
+        Overrides {
+            listen: self.listen.clone(),
+            socket_mode: self.socket_mode.clone(),
+            socket_group: self.socket_group.clone(),
+            metrics_listen: self.metrics_listen.clone(),
+            log_format: self.log_format.clone(),
+            log_filter: self.log_filter.clone(),
+            watch_dirs: self.watch_dir.clone(),
+            ..Overrides::default()
+        }
+    }
+}
+
 /// Command-line flags that override the configuration file. Every command
 /// gathers its flags here, and [`Overrides::apply`] is the one place where
 /// they replace what the file says (a flag not given leaves the file's
@@ -355,16 +371,7 @@ fn raise_fd_limit() {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    let c = a.common.load(Overrides {
-        listen: a.listen,
-        socket_mode: a.socket_mode,
-        socket_group: a.socket_group,
-        metrics_listen: a.metrics_listen,
-        log_format: a.log_format,
-        log_filter: a.log_filter,
-        watch_dirs: a.watch_dir,
-        ..Overrides::default()
-    })?;
+    let c = a.common.load(a.flags())?;
     c.validate()?;
     if a.print_config {
         print!("{}", c.to_toml());
