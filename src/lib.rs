@@ -9,12 +9,14 @@
 //! which `ops` implements.
 
 pub mod app;
+pub mod backoff;
 pub mod config;
 pub mod containerd;
 pub mod etc_group;
 pub mod import;
 pub mod labels;
 pub mod listener;
+pub mod lock;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;

@@ -139,18 +139,93 @@ struct ServeArgs {
 }
 
 impl Common {
-    fn load(&self) -> anyhow::Result<Config> {
+    /// The configuration file with these flags (and `more`) applied.
+    fn load(&self, more: Overrides) -> anyhow::Result<Config> {
         let mut c = Config::load(self.config.as_deref())?;
-        if let Some(u) = &self.upstream {
-            c.upstream = u.clone();
-        }
-        if !self.source_namespace.is_empty() {
-            c.replication.source_namespaces = self.source_namespace.clone();
-        }
-        if !self.target_namespace.is_empty() {
-            c.replication.target_namespaces = self.target_namespace.clone();
-        }
+        self.overrides(more).apply(&mut c);
         Ok(c)
+    }
+
+    /// These flags, with a command's own (`more`).
+    fn overrides(&self, more: Overrides) -> Overrides {
+        Overrides {
+            upstream: self.upstream.clone(),
+            source_namespaces: self.source_namespace.clone(),
+            target_namespaces: self.target_namespace.clone(),
+            ..more
+        }
+    }
+}
+
+impl ServeArgs {
+    /// `serve`'s own flags that override the file.
+    fn flags(&self) -> Overrides {
+        Overrides {
+            listen: self.listen.clone(),
+            socket_mode: self.socket_mode.clone(),
+            socket_group: self.socket_group.clone(),
+            metrics_listen: self.metrics_listen.clone(),
+            log_format: self.log_format.clone(),
+            log_filter: self.log_filter.clone(),
+            watch_dirs: self.watch_dir.clone(),
+            ..Overrides::default()
+        }
+    }
+}
+
+/// Command-line flags that override the configuration file. Every command
+/// gathers its flags here, and [`Overrides::apply`] is the one place where
+/// they replace what the file says (a flag not given leaves the file's
+/// value; `--watch-dir` adds to the file's directories).
+#[derive(Default)]
+struct Overrides {
+    upstream: Option<PathBuf>,
+    source_namespaces: Vec<String>,
+    target_namespaces: Vec<String>,
+    listen: Option<PathBuf>,
+    socket_mode: Option<String>,
+    socket_group: Option<String>,
+    metrics_listen: Option<String>,
+    log_format: Option<String>,
+    log_filter: Option<String>,
+    watch_dirs: Vec<PathBuf>,
+}
+
+impl Overrides {
+    fn apply(self, c: &mut Config) {
+        if let Some(u) = self.upstream {
+            c.upstream = u;
+        }
+        if !self.source_namespaces.is_empty() {
+            c.replication.source_namespaces = self.source_namespaces;
+        }
+        if !self.target_namespaces.is_empty() {
+            c.replication.target_namespaces = self.target_namespaces;
+        }
+        if let Some(l) = self.listen {
+            c.listen = l;
+        }
+        if let Some(m) = self.socket_mode {
+            c.socket_mode = m;
+        }
+        if let Some(g) = self.socket_group {
+            c.socket_group = g;
+        }
+        if let Some(m) = self.metrics_listen {
+            c.metrics.listen = m;
+        }
+        if let Some(f) = self.log_format {
+            c.log.format = f;
+        }
+        if let Some(f) = self.log_filter {
+            c.log.filter = f;
+        }
+        for path in self.watch_dirs {
+            c.import.dirs.push(imgbridge::config::ImportDir {
+                path: std::path::absolute(&path).unwrap_or(path),
+                namespace: "k8s.io".into(),
+            });
+        }
     }
 }
 
@@ -204,19 +279,17 @@ fn man(dir: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
-    let (mut c, load_error) = match a.common.load() {
+    let flags = a.common.overrides(Overrides {
+        listen: a.listen,
+        ..Overrides::default()
+    });
+    // A file that does not load is reported; the checks go on with the
+    // defaults and the flags.
+    let (mut c, load_error) = match Config::load(a.common.config.as_deref()) {
         Ok(c) => (c, None),
-        Err(e) => {
-            let mut c = Config::default();
-            if let Some(u) = &a.common.upstream {
-                c.upstream = u.clone();
-            }
-            (c, Some(e))
-        }
+        Err(e) => (Config::default(), Some(e)),
     };
-    if let Some(l) = a.listen {
-        c.listen = l;
-    }
+    flags.apply(&mut c);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -235,9 +308,11 @@ fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
 
 fn import(a: ImportArgs) -> anyhow::Result<()> {
     let mut c = Config::load(a.config.as_deref())?;
-    if let Some(u) = a.upstream {
-        c.upstream = u;
-    }
+    let flags = Overrides {
+        upstream: a.upstream,
+        ..Overrides::default()
+    };
+    flags.apply(&mut c);
     if !imgbridge::config::valid_namespace(&a.namespace) {
         anyhow::bail!(
             "--namespace {:?} is not a valid containerd namespace",
@@ -296,31 +371,7 @@ fn raise_fd_limit() {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    let mut c = a.common.load()?;
-    if let Some(l) = a.listen {
-        c.listen = l;
-    }
-    if let Some(m) = a.socket_mode {
-        c.socket_mode = m;
-    }
-    if let Some(g) = a.socket_group {
-        c.socket_group = g;
-    }
-    if let Some(m) = a.metrics_listen {
-        c.metrics.listen = m;
-    }
-    if let Some(f) = a.log_format {
-        c.log.format = f;
-    }
-    if let Some(f) = a.log_filter {
-        c.log.filter = f;
-    }
-    for path in a.watch_dir {
-        c.import.dirs.push(imgbridge::config::ImportDir {
-            path: std::path::absolute(&path).unwrap_or(path),
-            namespace: "k8s.io".into(),
-        });
-    }
+    let c = a.common.load(a.flags())?;
     c.validate()?;
     if a.print_config {
         print!("{}", c.to_toml());
@@ -393,7 +444,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn sync(a: SyncArgs) -> anyhow::Result<()> {
-    let c = a.common.load()?;
+    let c = a.common.load(Overrides::default())?;
     c.validate()?;
     imgbridge::ops::logging::init(&c.log)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

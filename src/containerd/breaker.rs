@@ -18,6 +18,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::backoff::Backoff;
+use crate::lock::lock;
+
 /// Breaks after which an item is no longer written.
 pub const STOP_AFTER: u32 = 2;
 /// Hold-back after the first break; doubles per break up to [`MAX_DELAY`].
@@ -83,10 +86,10 @@ impl ItemState {
     }
 }
 
+/// How long an item that broke the connection `breaks` times is held back.
 fn delay(breaks: u32) -> Duration {
-    BASE_DELAY
-        .saturating_mul(1 << breaks.saturating_sub(1).min(16))
-        .min(MAX_DELAY)
+    const BACKOFF: Backoff = Backoff::new(BASE_DELAY, MAX_DELAY);
+    BACKOFF.nth(breaks.saturating_sub(1))
 }
 
 /// Why a write was not sent.
@@ -119,7 +122,7 @@ impl Breaker {
     }
 
     pub fn saw_version(&self, v: &str) {
-        let mut cur = self.version.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cur = lock(&self.version);
         if *cur != v {
             *cur = v.to_string();
         }
@@ -127,7 +130,7 @@ impl Breaker {
 
     /// May a write of `item` in `ns` be sent now?
     pub fn admit(&self, ns: &str, item: &str) -> Result<(), Refusal> {
-        let items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        let items = lock(&self.items);
         match items.get(&(ns.to_string(), item.to_string())) {
             None => Ok(()),
             Some(ItemState::Stopped) => Err(Refusal::Stopped),
@@ -146,7 +149,7 @@ impl Breaker {
 
     /// The write went through: the item is healthy again.
     pub fn succeeded(&self, ns: &str, item: &str) {
-        let mut items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+        let mut items = lock(&self.items);
         if !items.is_empty() {
             items.remove(&(ns.to_string(), item.to_string()));
         }
@@ -156,7 +159,7 @@ impl Breaker {
     pub fn broke(&self, op: &str, ns: &str, item: &str) {
         let now = Instant::now();
         let state = {
-            let mut items = self.items.lock().unwrap_or_else(|e| e.into_inner());
+            let mut items = lock(&self.items);
             let key = (ns.to_string(), item.to_string());
             let next = match items.remove(&key) {
                 None => ItemState::first(now),
@@ -169,11 +172,7 @@ impl Breaker {
             op: op.into(),
             namespace: ns.into(),
             item: item.into(),
-            containerd: self
-                .version
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            containerd: lock(&self.version).clone(),
         };
         let stopped = matches!(state, ItemState::Stopped);
         if stopped {

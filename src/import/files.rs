@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::archive::{Limits, ReadOptions};
 use super::pull::{self, PullEvent};
 use super::state::{FileKind, FileState, Stamp};
-use super::{esc, open, pin, write, Count, Importer, ListTask, Pending, RETRY_BASE, RETRY_MAX};
+use super::{esc, open, pin, write, Count, Importer, ListTask, Pending};
 use crate::containerd::Image;
 
 /// Invalid or refused lines of one list logged one by one; the rest are counted.
@@ -126,9 +126,7 @@ impl Importer {
                 self.refuse(&path, stamp, &source);
             }
             Err(e) if e.is_transient() => {
-                let delay = RETRY_BASE
-                    .saturating_mul(1 << p.attempt.min(6))
-                    .min(RETRY_MAX);
+                let delay = super::RETRY.nth(p.attempt);
                 tracing::warn!(file = %esc(path.display()), error = %esc(&e), retry_in = ?delay, "import failed; will retry");
                 self.count(Count::Failed, 1);
                 self.file_failed(&path, "", &format_args!("{e} (retrying in {delay:?})"));
@@ -423,9 +421,7 @@ impl Importer {
             if !(self.unpin_names(&k, &f, &names).await && swept) {
                 // containerd unreachable: keep the record and try again.
                 self.state.files.insert(k.clone(), f);
-                let delay = RETRY_BASE
-                    .saturating_mul(1 << p.attempt.min(6))
-                    .min(RETRY_MAX);
+                let delay = super::RETRY.nth(p.attempt);
                 self.pending.insert(
                     k,
                     Pending {

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::config::Import;
 use crate::containerd::Containerd;
 use archive::{ArchiveError, Limits, ReadOptions};
@@ -41,6 +42,8 @@ pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
 /// Retry delay after a transient failure (containerd down), doubling.
 const RETRY_BASE: Duration = Duration::from_secs(5);
 const RETRY_MAX: Duration = Duration::from_secs(300);
+/// A file whose import failed for a passing reason is retried after this.
+const RETRY: Backoff = Backoff::new(RETRY_BASE, RETRY_MAX);
 /// Nested directory depth we follow (symlink loops end here).
 const MAX_DIR_DEPTH: usize = 16;
 

@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::containerd::Containerd;
 use crate::reference::{self, ReferenceError};
 
@@ -188,9 +189,8 @@ pub async fn ensure(c: &Containerd, r: &str) -> Result<(Got, String), crate::con
 
 /// Delay before retry number `attempt` (0-based): 1 s, 2 s, 4 s … 5 min.
 pub fn backoff(attempt: u32) -> Duration {
-    BACKOFF_BASE
-        .saturating_mul(1u32.checked_shl(attempt.min(16)).unwrap_or(u32::MAX))
-        .min(BACKOFF_MAX)
+    const BACKOFF: Backoff = Backoff::new(BACKOFF_BASE, BACKOFF_MAX);
+    BACKOFF.nth(attempt)
 }
 
 /// Reported by a list task to the importer, which owns pins and state.

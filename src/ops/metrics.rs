@@ -6,29 +6,19 @@
 //! map lookup plus an atomic add) and never blocks on I/O, so it can be called
 //! on hot paths. Nothing here allocates per DATA frame.
 //!
-//! Metric names (all prefixed `imgbridge_`):
-//!
-//! | metric | type | labels | recorded by |
-//! |---|---|---|---|
-//! | `proxy_calls_total` | counter | `method`, `grpc_status` | proxy ([`CallObserver`]) |
-//! | `proxy_streams_in_flight` | gauge | | proxy |
-//! | `proxy_relayed_bytes_total` | counter | | proxy (response DATA bytes, containerd → client) |
-//! | `hpack_desync_total` | counter | | proxy (connections closed: a client's headers no longer decoded) |
-//! | `pings_answered_total` | counter | | proxy (client PINGs answered by imgbridge: a held reply reached the client late) |
-//! | `replications_total` | counter | `outcome`, `target` | replicator ([`ReplicationObserver`]) |
-//! | `replication_duration_seconds` | histogram | | replicator |
-//! | `cri_wait_duration_seconds` | histogram | | replicator |
-//! | `pending_blobs` | gauge | | replicator (blobs a pod on this node could need) |
-//! | `reconcile_passes_total` | counter | `outcome` | reconciler ([`PassObserver`]) |
-//! | `imported_files_total` | counter | `outcome` | importer ([`ImportObserver`]) |
-//! | `pins_total` / `unpins_total` | counter | | importer |
-//! | `build_info` | info (=1) | `version`, `commit` | at start |
+//! Which metrics there are, with their type, labels and help, is written
+//! once, in [`table::METRICS`] (the README's list is generated from it).
+//! Recorded by: the proxy ([`CallObserver`]), the replicator
+//! ([`ReplicationObserver`]), the reconciler ([`PassObserver`]), the
+//! importer ([`ImportObserver`]) and the write breaker ([`BreakObserver`]).
+
+mod table;
 
 use std::collections::HashMap;
 use std::fmt::{self, Display};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError, RwLock};
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -36,14 +26,17 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Metric, Registry};
 use serde::Serialize;
 
 use crate::containerd::breaker::{BreakObserver, Broken};
 use crate::import::{Count, ImportObserver};
+use crate::lock::{lock, read, write};
 use crate::proxy::observe::CallObserver;
 use crate::reconcile::{PassObserver, Report};
 use crate::replicate::observe::{Attempt, PendingBlob, ReplicationObserver};
+pub use table::{readme_list, MetricDef, METRICS};
 
 /// Most distinct `(method, grpc_status)` series kept; further new methods are
 /// counted as `method="other"` so a misbehaving client cannot blow up the
@@ -191,6 +184,16 @@ pub struct Metrics {
     stopped_calls: Mutex<HashMap<String, Broken>>,
 }
 
+/// Registers `metric` under `name` with the help and unit [`METRICS`] gives
+/// it.
+fn register(registry: &mut Registry, name: &str, metric: impl Metric) {
+    let d = table::find(name);
+    match d.unit() {
+        Some(unit) => registry.register_with_unit(d.name, d.help, unit, metric),
+        None => registry.register(d.name, d.help, metric),
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -226,83 +229,26 @@ impl Metrics {
             broken_calls: Family::default(),
             stopped_calls: Mutex::new(HashMap::new()),
         };
-        registry.register(
-            "broken_calls",
-            "Writes of imgbridge's own during which containerd's connection broke (did containerd crash?), by what followed: held_back (retried later) or stopped (not sent again)",
-            m.broken_calls.clone(),
-        );
-        registry.register(
-            "proxy_calls",
-            "gRPC calls relayed, by method and final grpc-status (\"none\": the stream ended without one)",
-            m.calls.clone(),
-        );
-        registry.register(
-            "hpack_desync",
-            "Client connections closed because imgbridge could no longer decode their request headers (HPACK state diverged), so could not tell which calls to intercept",
-            m.hpack_desyncs.clone(),
-        );
-        registry.register(
-            "pings_answered",
-            "Client PINGs imgbridge answered itself because a held reply reached the client late (containerd would have counted them as too many pings)",
-            m.pings_answered.clone(),
-        );
-        registry.register(
-            "proxy_streams_in_flight",
-            "gRPC calls (HTTP/2 streams) currently being relayed",
-            m.in_flight.clone(),
-        );
-        registry.register_with_unit(
-            "proxy_relayed",
-            "Response DATA bytes relayed from containerd to clients",
-            Unit::Bytes,
-            m.relayed_bytes.clone(),
-        );
-        registry.register(
-            "replications",
-            "Replications of one image into one target namespace, by outcome",
-            m.replications.clone(),
-        );
-        registry.register_with_unit(
-            "replication_duration",
-            "Time to replicate one image into one target (all outcomes)",
-            Unit::Seconds,
-            m.replication_seconds.clone(),
-        );
-        registry.register_with_unit(
-            "cri_wait_duration",
-            "Time until CRI ImageStatus resolved a new replica",
-            Unit::Seconds,
-            m.cri_wait_seconds.clone(),
-        );
-        registry.register(
-            "pending_blobs",
-            "Blobs replicas are waiting for (not yet present in the source namespace)",
-            m.pending_blobs.clone(),
-        );
-        registry.register(
-            "reconcile_passes",
-            "Full reconcile passes (source namespaces → targets), by outcome",
-            m.reconcile_passes.clone(),
-        );
-        registry.register(
-            "imported_files",
-            "Archives and pull lists processed from watched directories, by outcome",
-            m.imported_files.clone(),
-        );
-        registry.register(
-            "pins",
-            "Images labelled io.cri-containerd.pinned by imgbridge",
-            m.pins.clone(),
-        );
-        registry.register("unpins", "Pins removed by imgbridge", m.unpins.clone());
-        registry.register(
-            "build",
-            "imgbridge version and git commit",
-            prometheus_client::metrics::info::Info::new(BuildLabels {
-                version: env!("CARGO_PKG_VERSION"),
-                commit: env!("IMGBRIDGE_GIT_COMMIT"),
-            }),
-        );
+        let r = &mut registry;
+        register(r, "broken_calls", m.broken_calls.clone());
+        register(r, "proxy_calls", m.calls.clone());
+        register(r, "hpack_desync", m.hpack_desyncs.clone());
+        register(r, "pings_answered", m.pings_answered.clone());
+        register(r, "proxy_streams_in_flight", m.in_flight.clone());
+        register(r, "proxy_relayed", m.relayed_bytes.clone());
+        register(r, "replications", m.replications.clone());
+        register(r, "replication_duration", m.replication_seconds.clone());
+        register(r, "cri_wait_duration", m.cri_wait_seconds.clone());
+        register(r, "pending_blobs", m.pending_blobs.clone());
+        register(r, "reconcile_passes", m.reconcile_passes.clone());
+        register(r, "imported_files", m.imported_files.clone());
+        register(r, "pins", m.pins.clone());
+        register(r, "unpins", m.unpins.clone());
+        let build = BuildLabels {
+            version: env!("CARGO_PKG_VERSION"),
+            commit: env!("IMGBRIDGE_GIT_COMMIT"),
+        };
+        register(r, "build", Info::new(build));
         Metrics { registry, ..m }
     }
 
@@ -552,10 +498,7 @@ impl CallObserver for Metrics {
     fn call_finished(&self, method: &str, grpc_status: Option<i32>) {
         self.in_flight.dec();
         let slot = status_slot(grpc_status);
-        let quick = self
-            .quick_calls
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let quick = read(&self.quick_calls);
         if let Some(c) = quick.get(method).and_then(|s| s[slot].as_ref()) {
             c.inc();
             return;
@@ -577,10 +520,7 @@ impl CallObserver for Metrics {
         };
         counter.inc();
         if labels.method == method {
-            let mut quick = self
-                .quick_calls
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut quick = write(&self.quick_calls);
             quick.entry(method.into()).or_default()[slot] = Some(counter);
         }
     }
@@ -629,10 +569,6 @@ pub fn status_label(code: Option<i32>) -> &'static str {
             .copied()
             .unwrap_or("invalid"),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn remember(

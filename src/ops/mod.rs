@@ -23,13 +23,15 @@ pub mod logging;
 pub mod metrics;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use crate::config::Config;
 use crate::containerd::Containerd;
+use crate::lock::lock;
+
 pub use metrics::{LastError, Metrics, Outcome, Pending};
 
 /// How long `/readyz` and `/status` wait for containerd's `Version`.
@@ -148,7 +150,7 @@ pub struct Status {
     pub stopped_calls: Vec<crate::containerd::breaker::Broken>,
     /// Last refusal per source image (`namespace/name`) of a name protected
     /// in a target: the message the client got, the target and protection.
-    pub protected: BTreeMap<String, crate::ops::metrics::LastError>,
+    pub protected: BTreeMap<String, LastError>,
     pub last_errors: LastErrors,
 }
 
@@ -196,7 +198,7 @@ impl Readiness {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, bool>> {
-        self.gates.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.gates)
     }
 }
 

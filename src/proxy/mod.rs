@@ -142,37 +142,7 @@ pub async fn serve(
         };
         let builder = builder.clone();
         let (ctx, drain) = (splice_ctx.clone(), drain.clone());
-        shards.spawn(tracker.track_future(async move {
-            let stream = match UnixStream::from_std(stream) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(peer = %peer, error = %e, "cannot register connection");
-                    return;
-                }
-            };
-            // containerd answers: splice the two connections frame by frame.
-            let error = match UnixStream::connect(&ctx.upstream).await {
-                Ok(up) => {
-                    match h2::run(stream, up, ctx.clone(), drain).await {
-                        Err(e) if e.is_hangup() => {
-                            tracing::debug!(peer = %peer, error = %e, "connection ended")
-                        }
-                        Err(e) if e.is_desync() => tracing::error!(peer = %peer, error = %e, "connection closed: its calls can no longer be told apart, so none may pass unseen; the client was sent GOAWAY and reconnects"),
-                        Err(e) => tracing::warn!(peer = %peer, error = %e, "connection closed"),
-                        Ok(()) => {}
-                    }
-                    return;
-                }
-                Err(e) if out_of_fds(&e) => {
-                    // Our limit, not containerd's fault: the client is
-                    // dropped (it retries), containerd is not blamed.
-                    tracing::warn!(peer = %peer, error = %e, "imgbridge is out of file descriptors: closing this connection without reaching containerd; raise LimitNOFILE");
-                    return;
-                }
-                Err(e) => e,
-            };
-            unavailable(stream, &builder, &ctx, &error, &drain, &peer).await;
-        }));
+        shards.spawn(tracker.track_future(connection(stream, peer, builder, ctx, drain)));
     }
     drop(listener);
     tracing::info!("shutting down: stopped accepting; draining in-flight calls");
@@ -187,6 +157,48 @@ pub async fn serve(
     }
     shards.stop().await;
     Ok(())
+}
+
+/// One accepted client, on its connection thread: spliced to containerd,
+/// or answered UNAVAILABLE while containerd is down.
+async fn connection(
+    stream: std::os::unix::net::UnixStream,
+    peer: String,
+    builder: Arc<hyper::server::conn::http2::Builder<TokioExecutor>>,
+    ctx: Arc<h2::Ctx>,
+    drain: CancellationToken,
+) {
+    let stream = match UnixStream::from_std(stream) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(peer = %peer, error = %e, "cannot register connection");
+            return;
+        }
+    };
+    // containerd answers: splice the two connections frame by frame.
+    let error = match UnixStream::connect(&ctx.upstream).await {
+        Ok(up) => {
+            match h2::run(stream, up, ctx.clone(), drain).await {
+                Err(e) if e.is_hangup() => {
+                    tracing::debug!(peer = %peer, error = %e, "connection ended")
+                }
+                Err(e) if e.is_desync() => {
+                    tracing::error!(peer = %peer, error = %e, "connection closed: its calls can no longer be told apart, so none may pass unseen; the client was sent GOAWAY and reconnects")
+                }
+                Err(e) => tracing::warn!(peer = %peer, error = %e, "connection closed"),
+                Ok(()) => {}
+            }
+            return;
+        }
+        Err(e) if out_of_fds(&e) => {
+            // Our limit, not containerd's fault: the client is
+            // dropped (it retries), containerd is not blamed.
+            tracing::warn!(peer = %peer, error = %e, "imgbridge is out of file descriptors: closing this connection without reaching containerd; raise LimitNOFILE");
+            return;
+        }
+        Err(e) => e,
+    };
+    unavailable(stream, &builder, &ctx, &error, &drain, &peer).await;
 }
 
 /// EMFILE / ENFILE: this process (or the system) has no descriptor left.

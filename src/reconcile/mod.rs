@@ -12,6 +12,7 @@ use futures_util::stream::{self, StreamExt};
 use prost::Message;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::containerd::request;
 use crate::replicate::Replicator;
 
@@ -94,7 +95,7 @@ pub async fn run(
     observers: Vec<Arc<dyn PassObserver>>,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     loop {
         if shutdown.is_cancelled() {
             return;
@@ -102,12 +103,11 @@ pub async fn run(
         if r.containerd().version().await.is_err() {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
-        backoff = Duration::from_millis(50);
+        backoff.reset();
         // Subscribe before the pass so nothing written in between is missed:
         // a write the pass's listing does not see comes later, and its event
         // reaches a subscription that containerd has registered.

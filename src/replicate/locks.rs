@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::lock::lock;
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
 #[derive(Default)]
@@ -14,7 +15,7 @@ pub struct KeyedLocks {
 impl KeyedLocks {
     pub async fn lock(&self, key: String) -> OwnedMutexGuard<()> {
         let m = {
-            let mut map = self.map.lock().unwrap();
+            let mut map = lock(&self.map);
             if map.len() > 1024 {
                 map.retain(|_, w| w.strong_count() > 0);
             }

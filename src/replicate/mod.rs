@@ -32,6 +32,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::config::{self, DeletePolicy, OnFailure};
 use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
@@ -43,6 +44,8 @@ use crate::labels::{
     pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX,
     DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
 };
+use crate::lock::lock;
+
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
 /// The labels of `want` that `have` lacks or holds with another value; a
@@ -289,10 +292,6 @@ async fn id_record(
         })
         .await?;
     Ok(if mine { *writes } else { 0 })
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The replication engine; cheap to share (`Arc`).
@@ -989,7 +988,7 @@ impl Replicator {
 
     /// Parsed index/manifest, cached by digest (content is immutable).
     async fn node(&self, source: &str, digest: &str) -> Result<Arc<tree::Node>, ctrd::Error> {
-        if let Some(n) = self.nodes.lock().unwrap().get(digest) {
+        if let Some(n) = lock(&self.nodes).get(digest) {
             return Ok(n.clone());
         }
         let bytes = self
@@ -1001,7 +1000,7 @@ impl Replicator {
                 "blob {digest} is not a valid manifest or index: {e}"
             ))
         })?);
-        let mut cache = self.nodes.lock().unwrap();
+        let mut cache = lock(&self.nodes);
         if cache.len() > 8192 {
             cache.clear();
         }
@@ -1321,10 +1320,9 @@ impl Replicator {
             // containerd may commit a reset call late when it is busy:
             // look for up to 3 s, every 250 ms at most.
             let deadline = Instant::now() + Duration::from_secs(3);
-            let mut delay = Duration::from_millis(20);
+            let mut delay = Backoff::new(Duration::from_millis(20), Duration::from_millis(250));
             while Instant::now() < deadline {
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_millis(250));
+                tokio::time::sleep(delay.next_delay()).await;
                 if !matches!(me.c.get_image(&source, &name).await, Ok(Some(_))) {
                     continue;
                 }
@@ -1349,9 +1347,9 @@ impl Replicator {
         let (me, src, n) = (self.clone(), source.to_string(), name.to_string());
         tokio::spawn(async move {
             let start = Instant::now();
-            let mut delay = Duration::from_secs(1);
+            let mut delay = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
             while start.elapsed() < me.s.pending_give_up {
-                tokio::time::sleep(delay).await;
+                tokio::time::sleep(delay.next_delay()).await;
                 match me.replicate(&src, &n, false).await {
                     Ok(_) => {
                         tracing::info!(image = %n, source = %src, "background retry replicated the image");
@@ -1361,7 +1359,6 @@ impl Replicator {
                         tracing::warn!(image = %n, source = %src, error = %e, "background retry failed")
                     }
                 }
-                delay = (delay * 2).min(Duration::from_secs(60));
             }
             tracing::error!(image = %n, source = %src, "gave up retrying replication; run `imgbridge sync` once the cause is fixed");
         });

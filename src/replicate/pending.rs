@@ -35,6 +35,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::tree::{Child, Need};
 use super::Replicator;
+use crate::backoff::Backoff;
+use crate::lock::lock;
 
 /// First backstop check after a blob was found missing; doubles per miss.
 /// Short, because the blob usually arrives within the build that named it.
@@ -45,6 +47,8 @@ const FIRST_CHECK: Duration = Duration::from_millis(50);
 /// back is linked at most this late, and one whose images are deleted is
 /// forgotten at most this late.
 const MAX_CHECK: Duration = Duration::from_secs(1);
+/// The backstop's checks of one blob: from [`FIRST_CHECK`] doubling to [`MAX_CHECK`].
+const CHECKS: Backoff = Backoff::new(FIRST_CHECK, MAX_CHECK);
 
 /// An image that named a missing blob. It waits for the blob as long as
 /// its record in the source still points at `root`.
@@ -96,15 +100,15 @@ enum Told {
 /// Who is acting on a pending blob.
 enum State {
     /// Nobody: the backstop looks again at `next`.
-    Waiting { next: Instant, backoff: Duration },
+    Waiting { next: Instant, backoff: Backoff },
     /// A link is running; the receiver sees its sender dropped when it ends.
     Linking(watch::Receiver<()>),
 }
 
 impl State {
-    fn waiting(backoff: Duration) -> State {
+    fn waiting(backoff: Backoff) -> State {
         State::Waiting {
-            next: Instant::now() + backoff,
+            next: Instant::now() + backoff.current(),
             backoff,
         }
     }
@@ -141,7 +145,7 @@ impl Entry {
             since: Instant::now(),
             needed_since: None,
             told: Told::Nothing,
-            state: State::waiting(FIRST_CHECK),
+            state: State::waiting(CHECKS),
         }
     }
 
@@ -203,7 +207,7 @@ pub(super) struct Job {
     pub owners: Vec<Owner>,
     pub targets: Vec<String>,
     since: Instant,
-    backoff: Duration,
+    backoff: Backoff,
     _done: watch::Sender<()>,
 }
 
@@ -249,7 +253,8 @@ impl Job {
 enum Claim {
     Absent,
     Busy(watch::Receiver<()>),
-    Mine(Job),
+    /// Boxed: a job is several times the size of the other claims.
+    Mine(Box<Job>),
 }
 
 /// How a [`Job`] ended.
@@ -270,7 +275,7 @@ pub struct Pending {
 impl Pending {
     pub fn add(&self, item: Item) {
         let key = (item.source, item.child.digest.clone());
-        let mut m = self.items.lock().unwrap();
+        let mut m = lock(&self.items);
         let e = m.entry(key).or_insert_with_key(|(source, digest)| {
             match item.owner.need {
                 Need::Node => tracing::info!(image = ?item.owner.image, digest = %digest, source = ?source, target = ?item.target,
@@ -294,20 +299,20 @@ impl Pending {
     }
 
     pub fn count(&self) -> usize {
-        self.items.lock().unwrap().len()
+        lock(&self.items).len()
     }
 
     /// Whether `digest` is awaited in `source`: asked for every commit that
     /// passes through the proxy, and almost always with nothing pending, so
     /// that case costs no allocation; otherwise one hash lookup.
     pub fn awaits(&self, source: &str, digest: &str) -> bool {
-        let m = self.items.lock().unwrap();
+        let m = lock(&self.items);
         !m.is_empty() && m.contains_key(&(source.to_string(), digest.to_string()))
     }
 
     /// The pending blobs of `source`.
     pub fn digests(&self, source: &str) -> Vec<String> {
-        let m = self.items.lock().unwrap();
+        let m = lock(&self.items);
         m.keys()
             .filter(|(s, _)| s == source)
             .map(|(_, d)| d.clone())
@@ -317,7 +322,7 @@ impl Pending {
     /// The pending blobs a pod on this node could need, oldest first, and
     /// how many others (only other platforms need them) wait besides.
     pub fn list(&self) -> (Vec<Blob>, usize) {
-        let m = self.items.lock().unwrap();
+        let m = lock(&self.items);
         let mut others = 0;
         let mut v = Vec::new();
         for ((source, digest), e) in m.iter() {
@@ -343,7 +348,7 @@ impl Pending {
 
     fn claim(&self, source: &str, digest: &str) -> Claim {
         let key = (source.to_string(), digest.to_string());
-        let mut m = self.items.lock().unwrap();
+        let mut m = lock(&self.items);
         let Some(e) = m.get_mut(&key) else {
             return Claim::Absent;
         };
@@ -351,12 +356,12 @@ impl Pending {
             State::Linking(rx) => Claim::Busy(rx.clone()),
             State::Waiting { backoff, .. } => {
                 let backoff = *backoff;
-                Claim::Mine(Self::start(key, e, backoff))
+                Claim::Mine(Box::new(Self::start(key, e, backoff)))
             }
         }
     }
 
-    fn start(key: Key, e: &mut Entry, backoff: Duration) -> Job {
+    fn start(key: Key, e: &mut Entry, backoff: Backoff) -> Job {
         let (tx, rx) = watch::channel(());
         e.state = State::Linking(rx);
         Job {
@@ -373,7 +378,7 @@ impl Pending {
     /// The blobs due for a backstop check, claimed.
     fn due(&self) -> Vec<Job> {
         let now = Instant::now();
-        let mut m = self.items.lock().unwrap();
+        let mut m = lock(&self.items);
         let mut jobs = Vec::new();
         for (key, e) in m.iter_mut() {
             if let State::Waiting { next: at, backoff } = e.state {
@@ -387,7 +392,7 @@ impl Pending {
 
     /// When the backstop should look next.
     fn next_due(&self) -> Option<Instant> {
-        let m = self.items.lock().unwrap();
+        let m = lock(&self.items);
         m.values()
             .filter_map(|e| match e.state {
                 State::Waiting { next, .. } => Some(next),
@@ -400,7 +405,7 @@ impl Pending {
     /// any more, says what is overdue or given up, schedules the rest.
     /// Returns what became of a blob still missing.
     fn finish(&self, job: Job, linked: &Linked, limits: Limits, by_commit: bool) -> Verdict {
-        let mut m = self.items.lock().unwrap();
+        let mut m = lock(&self.items);
         let Some(e) = m.get_mut(&job.key) else {
             return Verdict::Waiting;
         };
@@ -415,7 +420,7 @@ impl Pending {
                 if e.targets.is_empty() {
                     m.remove(&job.key);
                 } else {
-                    e.state = State::waiting(FIRST_CHECK);
+                    e.state = State::waiting(CHECKS);
                 }
                 return Verdict::Waiting;
             }
@@ -451,7 +456,9 @@ impl Pending {
                 m.remove(&job.key);
             }
             Verdict::Overdue(_) | Verdict::Waiting => {
-                e.state = State::waiting((job.backoff * 2).min(MAX_CHECK));
+                let mut backoff = job.backoff;
+                backoff.next_delay();
+                e.state = State::waiting(backoff);
             }
         }
         // `job` (and with it the sender) drops here: waiters wake.
@@ -486,7 +493,7 @@ impl Replicator {
                         let known = self.current_roots(job.owner_keys().collect()).await;
                         *gone = job.gone(&known);
                     }
-                    self.pending.finish(job, &linked, self.limits(), true);
+                    self.pending.finish(*job, &linked, self.limits(), true);
                     if matches!(linked, Linked::Into(_)) {
                         return;
                     }
@@ -692,7 +699,7 @@ mod tests {
     /// The one claimed job for `digest`.
     fn job(p: &Pending, digest: &str) -> Job {
         match p.claim("buildkit", digest) {
-            Claim::Mine(j) => j,
+            Claim::Mine(j) => *j,
             _ => panic!("{digest} not claimable"),
         }
     }

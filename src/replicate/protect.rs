@@ -17,6 +17,7 @@ use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 
 use crate::containerd::Image;
 use crate::labels::{PINNED, PINNED_VALUE, SOURCE};
+use crate::lock::lock;
 use crate::reference::Reference;
 
 /// Compiled globs over normalised image names: `*` stays within a path
@@ -134,10 +135,7 @@ impl Protections {
 
     /// Whether the refusal of `key` is new (to be logged as a WARN).
     pub fn first_refusal(&self, key: String) -> bool {
-        let mut told = self
-            .told
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut told = lock(&self.told);
         if told.len() >= TOLD_MAX {
             told.clear();
         }
@@ -183,9 +181,7 @@ impl Protections {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Sandbox> {
-        self.sandbox
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.sandbox)
     }
 }
 

@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::containerd::{self as ctrd, Containerd};
+use crate::lock::lock;
 
 /// A target's spare.
 enum Slot {
@@ -42,9 +43,7 @@ impl Spares {
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
-        self.slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.slots)
     }
 
     /// A lease for `target`, all its own: the spare if one is ready and has

@@ -9,7 +9,7 @@ use crate::labels::{PINNED, PINNED_VALUE};
 use crate::replicate::protect::pinned_by_others;
 
 /// One line: what is protected now, and the setting that lifts it.
-pub(super) async fn check(config: &Config, c: &Containerd, r: &mut Report) {
+pub(in crate::ops::doctor) async fn check(config: &Config, c: &Containerd, r: &mut Report) {
     let what = "protected names";
     let file = node_config::locate_for(&config.upstream);
     let sandbox = match timed(c.cri_sandbox_image(file.as_deref())).await {

@@ -9,16 +9,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use futures_util::stream::Stream;
 use futures_util::task::AtomicWaker;
 use tokio::net::UnixStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::frame::{self, Reason};
+use super::ctx::Ctx;
+use super::error::SpliceError;
+use super::frame::{self, Reason, StreamId};
 use super::pump::Pump;
-use super::streams::{error_reply, State};
-use super::{Ctx, Out, Side, SpliceError, DESYNC};
+use super::reply::error_reply;
+use super::side::{Out, Side};
+use super::streams::State;
 use crate::proxy::sock::Sock;
+
+/// What the client is told when the splice can no longer read its header
+/// blocks (GOAWAY debug data, which client libraries log).
+const DESYNC: &str = "imgbridge lost track of this connection's header compression (HPACK) \
+    and cannot tell which calls it carries; reconnect";
 
 /// One client connection and its containerd connection.
 pub(super) struct Conn {
@@ -29,17 +36,33 @@ pub(super) struct Conn {
     /// containerd to client.
     down: Pump,
     st: State,
+    /// The drain signal, until it fires.
     drain: Option<Drain>,
-    /// The drain has started and the open-ended calls are still to be ended
-    /// (at the next point where no reply header block is half read).
-    ending: bool,
-    /// Runs once containerd is lost: how long the client gets to hang up.
-    grace: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Set once a drain has answered every call and our side is closed.
-    linger: Option<Linger>,
-    /// Why the connection is being closed, once the client has been told
-    /// (see [`Conn::close_loudly`]).
-    closing: Option<SpliceError>,
+    phase: Phase,
+}
+
+/// Where the connection is in its life. A later phase wins over an earlier
+/// one: `Closing` over all, `Lingering` over `Lost` and `Draining`.
+enum Phase {
+    /// Calls come and go.
+    Open,
+    /// GOAWAY was sent (a drain): calls up to it finish, later ones are
+    /// refused. `ending`: the open-ended calls are still to be ended (at the
+    /// next point where no reply header block is half read).
+    Draining { ending: bool },
+    /// containerd is gone: calls were answered UNAVAILABLE; `grace` is how
+    /// long the client gets to hang up.
+    Lost { grace: Pin<Box<tokio::time::Sleep>> },
+    /// The client has been told why the connection closes (see
+    /// [`Conn::close_loudly`]); it ends with `error` once that is written,
+    /// or when `grace` is over.
+    Closing {
+        error: SpliceError,
+        grace: Pin<Box<tokio::time::Sleep>>,
+    },
+    /// A drain answered every call and our side is closed: reading until
+    /// the client hangs up.
+    Lingering(Linger),
 }
 
 /// After containerd went away: how long a client that received GOAWAY may
@@ -161,10 +184,7 @@ impl Conn {
             down: Pump::new(Side::Containerd),
             st: State::new(ctx),
             drain: Some(Drain::new(drain)),
-            ending: false,
-            grace: None,
-            linger: None,
-            closing: None,
+            phase: Phase::Open,
         })
     }
 
@@ -193,8 +213,8 @@ impl Conn {
             "imgbridge: containerd at {} closed the connection",
             self.st.ctx.upstream.display()
         );
-        let waiting: Vec<u32> = (self.st.calls.iter())
-            .filter(|(_, c)| !c.refused && !c.held.as_ref().is_some_and(|h| h.reply_done()))
+        let waiting: Vec<StreamId> = (self.st.calls.iter())
+            .filter(|(_, c)| !c.refused() && !c.reply_held())
             .map(|(id, _)| *id)
             .collect();
         for id in waiting {
@@ -209,8 +229,10 @@ impl Conn {
         }
         // The first step of a graceful GOAWAY (RFC 9113 §6.8): no new calls
         // here, but calls already on their way are still answered.
-        (self.down.inject).push_back(frame::goaway(0x7fff_ffff, Reason::NO_ERROR));
-        self.grace = Some(Box::pin(tokio::time::sleep(LOST_GRACE)));
+        (self.down.inject).push_back(frame::goaway(StreamId::MAX, Reason::NO_ERROR));
+        self.phase = Phase::Lost {
+            grace: Box::pin(tokio::time::sleep(LOST_GRACE)),
+        };
         Ok(())
     }
 
@@ -224,8 +246,10 @@ impl Conn {
         if !self.down.end_with(goaway) {
             return Err(e); // mid-frame: the client sees the close
         }
-        self.closing = Some(e);
-        self.grace = Some(Box::pin(tokio::time::sleep(LOST_GRACE)));
+        self.phase = Phase::Closing {
+            error: e,
+            grace: Box::pin(tokio::time::sleep(LOST_GRACE)),
+        };
         Ok(())
     }
 
@@ -246,69 +270,38 @@ impl Conn {
     }
 
     pub(super) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
-        if let Some(d) = self.drain.as_mut() {
-            if d.fired(cx) {
-                self.drain = None;
-                // Calls up to here finish; later ones are refused (see `open`).
-                self.st.goaway = Some(self.st.last_stream);
-                (self.down.inject).push_back(frame::goaway(self.st.last_stream, Reason::NO_ERROR));
-                self.ending = true;
-            }
-        }
+        self.check_drain(cx);
         loop {
-            if let Some(e) = self.closing.take() {
-                // Only the GOAWAY (and what was queued before it) is left.
-                let written = self.down.flush_queued(cx, &mut self.client).is_ready();
-                let late = (self.grace.as_mut()).is_some_and(|g| g.as_mut().poll(cx).is_ready());
-                if written || late {
-                    return Poll::Ready(Err(e));
+            match &mut self.phase {
+                Phase::Closing { .. } => return self.poll_closing(cx),
+                Phase::Lingering(linger) => {
+                    // Our side is closed; the client's frames go nowhere.
+                    if self.up.discard(cx, &self.client).is_ready()
+                        || linger.poll(cx, &self.client).is_ready()
+                    {
+                        return Poll::Ready(Ok(()));
+                    }
+                    return Poll::Pending;
                 }
-                self.closing = Some(e);
-                return Poll::Pending;
-            }
-            if self.ending && self.down.block.is_none() {
-                // A reply block that is half read may be the first reply of
-                // a call to end, which decides how it ends: wait for its end.
-                self.ending = false;
-                self.end_open_ended()?;
-            }
-            if let Some(linger) = self.linger.as_mut() {
-                // Our side is closed; the client's frames go nowhere.
-                if self.up.discard(cx, &self.client).is_ready()
-                    || linger.poll(cx, &self.client).is_ready()
-                {
-                    return Poll::Ready(Ok(()));
+                Phase::Draining { ending } if *ending && self.down.block.is_none() => {
+                    // A reply block that is half read may be the first reply
+                    // of a call to end, which decides how it ends: wait for
+                    // its end.
+                    *ending = false;
+                    self.end_open_ended()?;
                 }
-                return Poll::Pending;
+                Phase::Open | Phase::Draining { .. } | Phase::Lost { .. } => {}
             }
-            while !self.st.hooks.is_empty() {
-                let Poll::Ready(Some(outcome)) = Pin::new(&mut self.st.hooks).poll_next(cx) else {
-                    break;
-                };
+            while let Some(outcome) = self.st.hooks.poll_next(cx) {
                 let out = Out {
                     up: &mut self.up.inject,
                     down: &mut self.down.inject,
                 };
                 self.st.outcome(outcome, out);
             }
-            let up = (self.up).poll(
-                cx,
-                &mut self.client,
-                &mut self.upstream,
-                &mut self.down.inject,
-                &mut self.st,
-            );
-            self.st.open_calls();
             let queued_up = self.up.inject.len();
-            let down = (self.down).poll(
-                cx,
-                &mut self.upstream,
-                &mut self.client,
-                &mut self.up.inject,
-                &mut self.st,
-            );
-            self.st.ended.clear();
-            let (up_done, down_done) = match (up, down) {
+            // With both directions failed, the guards see either error.
+            let (up_done, down_done) = match self.poll_pumps(cx) {
                 (Ok(u), Ok(d)) => (u, d),
                 (Err(e), _) | (_, Err(e)) if e.is_desync() => {
                     self.close_loudly(e)?;
@@ -320,12 +313,9 @@ impl Conn {
                 }
                 (Err(e), _) | (_, Err(e)) => return Poll::Ready(Err(e)),
             };
-            if self.st.lost {
+            if let Phase::Lost { grace } = &mut self.phase {
                 // The client hung up, or had its time to.
-                let grace_over = self
-                    .grace
-                    .as_mut()
-                    .is_some_and(|g| g.as_mut().poll(cx).is_ready());
+                let grace_over = grace.as_mut().poll(cx).is_ready();
                 if up_done || (grace_over && !self.st.awaiting_hooks()) {
                     return Poll::Ready(Ok(()));
                 }
@@ -333,7 +323,7 @@ impl Conn {
                 return Poll::Ready(Ok(()));
             }
             if self.st.goaway.is_some()
-                && self.st.calls.values().all(|c| c.refused)
+                && self.st.calls.values().all(|c| c.refused())
                 && self.up.idle()
                 && self.down.idle()
             {
@@ -342,15 +332,76 @@ impl Conn {
                 // is still reading) fail with EPIPE, and that error would
                 // fail the reply: half-close, and read until it hangs up.
                 let _ = self.client.shutdown_write();
-                self.linger = Some(Linger::new());
+                self.phase = Phase::Lingering(Linger::new());
                 continue;
             }
             // Go round again only for work queued after its pump was polled.
             let again = self.up.inject.len() > queued_up
-                || std::mem::take(&mut self.st.hooks_added)
-                || (self.ending && self.down.block.is_none());
+                || self.st.hooks.take_added()
+                || (matches!(self.phase, Phase::Draining { ending: true })
+                    && self.down.block.is_none());
             if !again {
                 return Poll::Pending;
+            }
+        }
+    }
+
+    /// Once the drain fires: calls up to here finish, later ones are
+    /// refused (see `State::request_headers`), and GOAWAY tells the client.
+    fn check_drain(&mut self, cx: &mut Context<'_>) {
+        let Some(d) = self.drain.as_mut() else {
+            return;
+        };
+        if !d.fired(cx) {
+            return;
+        }
+        self.drain = None;
+        self.st.goaway = Some(self.st.last_stream);
+        (self.down.inject).push_back(frame::goaway(self.st.last_stream, Reason::NO_ERROR));
+        if let Phase::Open = self.phase {
+            self.phase = Phase::Draining { ending: true };
+        }
+    }
+
+    /// Both directions, as far as they go: whether each is finished.
+    fn poll_pumps(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> (Result<bool, SpliceError>, Result<bool, SpliceError>) {
+        let up = (self.up).poll(
+            cx,
+            &mut self.client,
+            &mut self.upstream,
+            &mut self.down.inject,
+            &mut self.st,
+        );
+        self.st.open_calls();
+        let down = (self.down).poll(
+            cx,
+            &mut self.upstream,
+            &mut self.client,
+            &mut self.up.inject,
+            &mut self.st,
+        );
+        self.st.ended.clear();
+        (up, down)
+    }
+
+    /// Only the GOAWAY (and what was queued before it) is left to write.
+    fn poll_closing(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
+        match std::mem::replace(&mut self.phase, Phase::Open) {
+            Phase::Closing { error, mut grace } => {
+                let written = self.down.flush_queued(cx, &mut self.client).is_ready();
+                let late = grace.as_mut().poll(cx).is_ready();
+                if written || late {
+                    return Poll::Ready(Err(error));
+                }
+                self.phase = Phase::Closing { error, grace };
+                Poll::Pending
+            }
+            other => {
+                self.phase = other;
+                Poll::Pending
             }
         }
     }
@@ -377,7 +428,7 @@ mod tests {
         drop(server); // containerd dies with the call in flight
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -399,7 +450,7 @@ mod tests {
         // A call that was already on its way is answered the same way.
         client.write_all(&request(3, "/t.S/Plain")).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 3));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 3));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())));
         drop(client);
@@ -454,7 +505,7 @@ mod tests {
         assert_eq!(h.kind, Kind::GoAway);
         assert_eq!(&p[..4], &3u32.to_be_bytes(), "both calls were accepted");
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(
@@ -465,7 +516,7 @@ mod tests {
         assert!(msg.1.contains("restarting"), "{msg:?}");
         let (h, p) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream, &p[..]),
+            (h.kind, h.stream.get(), &p[..]),
             (Kind::RstStream, 1, &Reason::CANCEL.0.to_be_bytes()[..])
         );
 
@@ -480,11 +531,15 @@ mod tests {
         late.extend(ok_reply(3));
         server.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes(), "the dropped event's credit");
         for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
             let (h, _) = read_frame(&mut client).await;
-            assert_eq!((h.kind, h.stream), (kind, 3), "nothing more on stream 1");
+            assert_eq!(
+                (h.kind, h.stream.get()),
+                (kind, 3),
+                "nothing more on stream 1"
+            );
         }
         nothing_more(&mut client).await;
         drop(client);
@@ -535,13 +590,13 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
         nothing_more(&mut client).await;
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -571,12 +626,12 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
         drop(client);
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -604,14 +659,14 @@ mod tests {
         client.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
         assert_eq!(
-            (h.kind, h.stream, &p[..]),
+            (h.kind, h.stream.get(), &p[..]),
             (Kind::RstStream, 3, &7u32.to_be_bytes()[..])
         );
         let mut got = vec![0; late.len()];
         server.read_exact(&mut got).await.unwrap();
         let (h, _) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream),
+            (h.kind, h.stream.get()),
             (Kind::RstStream, 3),
             "containerd drops it too"
         );
@@ -649,7 +704,7 @@ mod tests {
         fn bytes_relayed(&self, _: u64) {}
         fn call_finished(&self, _: &str, _: Option<i32>) {}
         fn hpack_desync(&self) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -687,6 +742,6 @@ mod tests {
         let mut rest = Vec::new();
         server.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty(), "containerd got {rest:?}");
-        assert_eq!(desyncs.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(desyncs.0.load(Ordering::SeqCst), 1);
     }
 }

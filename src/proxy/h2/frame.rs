@@ -12,6 +12,24 @@ pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
 /// so their size never depends on SETTINGS.
 pub const EMIT_PAYLOAD: usize = 16_384;
 
+/// Largest header block (metadata), as containerd accepts.
+pub(super) const MAX_BLOCK: usize = 16 << 20;
+
+/// Most CONTINUATION frames one header block may have. Empty ones add no
+/// bytes, so [`MAX_BLOCK`] alone would not bound a flood of them: each
+/// costs the splice a pass, and the block holds the connection open.
+///
+/// The count is the largest block over the smallest frame size every peer
+/// must accept (16,384 bytes): senders fill their header frames, and
+/// grpc-go (containerd, and most clients) splits header blocks at 16 KiB
+/// whatever SETTINGS_MAX_FRAME_SIZE allows, so a count derived from a
+/// larger negotiated frame size would cut off a legitimate large block.
+/// Plus 8 for frames that are not full: an encoder may close a block with
+/// an empty CONTINUATION carrying END_HEADERS after one it filled exactly,
+/// and a few partial frames are no flood. A flood is cut after 1,032
+/// frames (about 9 KiB of frame headers).
+pub(super) const MAX_CONTINUATIONS: usize = MAX_BLOCK / EMIT_PAYLOAD + 8;
+
 /// A frame's type (RFC 9113 §6). The splice acts on a few and relays the
 /// rest; a type it does not know (an extension, RFC 9113 §5.5) is relayed
 /// untouched as `Other`.
@@ -103,13 +121,56 @@ impl Reason {
     pub const COMPRESSION_ERROR: Reason = Reason(0x9);
 }
 
+/// A stream's id (31 bits; 0 is the connection itself). A type of its own
+/// so that an id is never mistaken for a length, a count or a code.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(u32);
+
+impl StreamId {
+    /// The connection (SETTINGS, PING, GOAWAY, connection WINDOW_UPDATE).
+    pub const ZERO: StreamId = StreamId(0);
+    /// The largest id (GOAWAY's "any stream").
+    pub const MAX: StreamId = StreamId(0x7fff_ffff);
+
+    /// The id on the wire: the reserved top bit is dropped.
+    pub const fn new(id: u32) -> StreamId {
+        StreamId(id & 0x7fff_ffff)
+    }
+
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    pub fn is_zero(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl From<u32> for StreamId {
+    fn from(id: u32) -> StreamId {
+        StreamId::new(id)
+    }
+}
+
+impl PartialEq<u32> for StreamId {
+    fn eq(&self, other: &u32) -> bool {
+        self.0 == *other
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// A parsed 9-byte frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Head {
     pub len: usize,
     pub kind: Kind,
     pub flags: u8,
-    pub stream: u32,
+    pub stream: StreamId,
 }
 
 impl Head {
@@ -118,7 +179,7 @@ impl Head {
             len: (b[0] as usize) << 16 | (b[1] as usize) << 8 | b[2] as usize,
             kind: Kind::from_wire(b[3]),
             flags: b[4],
-            stream: u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff,
+            stream: StreamId::new(u32::from_be_bytes([b[5], b[6], b[7], b[8]])),
         }
     }
 
@@ -152,15 +213,15 @@ pub fn content(head: &Head, payload: &[u8]) -> Result<std::ops::Range<usize>, Ba
     Ok(start..end)
 }
 
-fn put_head(out: &mut BytesMut, len: usize, kind: Kind, flags: u8, stream: u32) {
+fn put_head(out: &mut BytesMut, len: usize, kind: Kind, flags: u8, stream: StreamId) {
     out.put_uint(len as u64, 3);
     out.put_u8(kind.wire());
     out.put_u8(flags);
-    out.put_u32(stream & 0x7fff_ffff);
+    out.put_u32(stream.get());
 }
 
 /// WINDOW_UPDATE frames returning `n` bytes of credit (none when `n` is 0).
-pub fn window_update(stream: u32, mut n: u64) -> Option<Bytes> {
+pub fn window_update(stream: StreamId, mut n: u64) -> Option<Bytes> {
     if n == 0 {
         return None;
     }
@@ -174,29 +235,29 @@ pub fn window_update(stream: u32, mut n: u64) -> Option<Bytes> {
     Some(out.freeze())
 }
 
-pub fn rst_stream(stream: u32, code: Reason) -> Bytes {
+pub fn rst_stream(stream: StreamId, code: Reason) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + 4);
     put_head(&mut out, 4, Kind::RstStream, 0, stream);
     out.put_u32(code.0);
     out.freeze()
 }
 
-pub fn goaway(last_stream: u32, code: Reason) -> Bytes {
+pub fn goaway(last_stream: StreamId, code: Reason) -> Bytes {
     goaway_saying(last_stream, code, "")
 }
 
 /// GOAWAY with debug data: a reason the peer's HTTP/2 library logs.
-pub fn goaway_saying(last_stream: u32, code: Reason, debug: &str) -> Bytes {
+pub fn goaway_saying(last_stream: StreamId, code: Reason, debug: &str) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + 8 + debug.len());
-    put_head(&mut out, 8 + debug.len(), Kind::GoAway, 0, 0);
-    out.put_u32(last_stream & 0x7fff_ffff);
+    put_head(&mut out, 8 + debug.len(), Kind::GoAway, 0, StreamId::ZERO);
+    out.put_u32(last_stream.get());
     out.put_u32(code.0);
     out.put_slice(debug.as_bytes());
     out.freeze()
 }
 
 /// A HEADERS frame plus as many CONTINUATION frames as `block` needs.
-pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) {
+pub fn headers(stream: StreamId, block: &[u8], end_stream: bool, out: &mut BytesMut) {
     let first = if end_stream { END_STREAM } else { 0 };
     chunked(
         out,
@@ -211,7 +272,14 @@ pub fn headers(stream: u32, block: &[u8], end_stream: bool, out: &mut BytesMut) 
 /// `payload` in frames of at most [`EMIT_PAYLOAD`] (at least one frame, so
 /// the flags always have a frame to ride on): `kinds` are the first and the
 /// following frames' types; `first` flags go on the first, `last` on the last.
-fn chunked(out: &mut BytesMut, stream: u32, payload: &[u8], kinds: [Kind; 2], first: u8, last: u8) {
+fn chunked(
+    out: &mut BytesMut,
+    stream: StreamId,
+    payload: &[u8],
+    kinds: [Kind; 2],
+    first: u8,
+    last: u8,
+) {
     let n = payload.len().div_ceil(EMIT_PAYLOAD).max(1);
     for i in 0..n {
         let chunk = &payload
@@ -229,7 +297,7 @@ fn chunked(out: &mut BytesMut, stream: u32, payload: &[u8], kinds: [Kind; 2], fi
 /// straight into `out` behind a placeholder frame header; only a block that
 /// outgrows one frame is copied to be split.
 pub fn header_frames<R>(
-    stream: u32,
+    stream: StreamId,
     end_stream: bool,
     out: &mut BytesMut,
     fill: impl FnOnce(&mut BytesMut) -> R,
@@ -250,7 +318,7 @@ pub fn header_frames<R>(
 }
 
 /// DATA frames carrying `payload` (at least one frame, so END_STREAM fits).
-pub fn data(stream: u32, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
+pub fn data(stream: StreamId, payload: &[u8], end_stream: bool, out: &mut BytesMut) {
     let last = if end_stream { END_STREAM } else { 0 };
     chunked(out, stream, payload, [Kind::Data, Kind::Data], 0, last);
 }
@@ -267,14 +335,17 @@ mod tests {
     fn large_blocks_span_continuation_frames() {
         let block = vec![7u8; EMIT_PAYLOAD * 2 + 5];
         let mut out = BytesMut::new();
-        headers(3, &block, true, &mut out);
+        headers(StreamId::new(3), &block, true, &mut out);
         let h1 = Head::parse(&out[..9]);
         assert_eq!(
             (h1.kind, h1.len, h1.flags),
             (Kind::Headers, EMIT_PAYLOAD, END_STREAM)
         );
         let h2 = Head::parse(&out[9 + EMIT_PAYLOAD..]);
-        assert_eq!((h2.kind, h2.flags, h2.stream), (Kind::Continuation, 0, 3));
+        assert_eq!(
+            (h2.kind, h2.flags, h2.stream.get()),
+            (Kind::Continuation, 0, 3)
+        );
         let h3 = Head::parse(&out[18 + 2 * EMIT_PAYLOAD..]);
         assert_eq!(
             (h3.kind, h3.len, h3.flags),
@@ -286,7 +357,7 @@ mod tests {
     #[test]
     fn header_frames_patch_small_blocks_and_split_large_ones() {
         let mut small = BytesMut::new();
-        header_frames(5, true, &mut small, |b| {
+        header_frames(StreamId::new(5), true, &mut small, |b| {
             super::super::hpack::encode_field(b, b":status", b"200")
         });
         assert_eq!(
@@ -295,19 +366,19 @@ mod tests {
                 len: 1,
                 kind: Kind::Headers,
                 flags: END_HEADERS | END_STREAM,
-                stream: 5
+                stream: StreamId::new(5)
             }
         );
         assert_eq!(&small[9..], &[0x88]);
         let value = vec![b'v'; EMIT_PAYLOAD];
         let mut large = BytesMut::from(&b"prefix"[..]);
-        header_frames(7, false, &mut large, |b| {
+        header_frames(StreamId::new(7), false, &mut large, |b| {
             super::super::hpack::encode_field(b, b"x", &value)
         });
         let mut direct = BytesMut::from(&b"prefix"[..]);
         let mut block = BytesMut::new();
         super::super::hpack::encode_field(&mut block, b"x", &value);
-        headers(7, &block, false, &mut direct);
+        headers(StreamId::new(7), &block, false, &mut direct);
         assert_eq!(large, direct);
     }
 
@@ -317,7 +388,7 @@ mod tests {
             len: 10,
             kind: Kind::Headers,
             flags: PADDED | PRIORITY,
-            stream: 1,
+            stream: StreamId::new(1),
         };
         let payload = [2, 0, 0, 0, 0, 9, b'a', b'b', 0, 0];
         assert_eq!(content(&head, &payload), Ok(6..8));
@@ -325,7 +396,7 @@ mod tests {
             len: 2,
             kind: Kind::Data,
             flags: PADDED,
-            stream: 1,
+            stream: StreamId::new(1),
         };
         assert_eq!(content(&bad, &[5, 1]), Err(BadPadding(2)));
         assert_eq!(content(&bad, &[]), Err(BadPadding(0)));
@@ -333,17 +404,17 @@ mod tests {
 
     #[test]
     fn control_frames() {
-        assert!(window_update(0, 0).is_none());
-        let w = window_update(0, (1 << 31) + 5).unwrap();
+        assert!(window_update(StreamId::new(0), 0).is_none());
+        let w = window_update(StreamId::new(0), (1 << 31) + 5).unwrap();
         assert_eq!(w.len(), 26);
         assert_eq!(
-            Head::parse(&rst_stream(5, Reason::CANCEL)).kind,
+            Head::parse(&rst_stream(StreamId::new(5), Reason::CANCEL)).kind,
             Kind::RstStream
         );
-        let g = goaway(9, Reason::NO_ERROR);
+        let g = goaway(StreamId::new(9), Reason::NO_ERROR);
         assert_eq!(&g[9..13], &9u32.to_be_bytes());
         let mut d = BytesMut::new();
-        data(1, &[], true, &mut d);
+        data(StreamId::new(1), &[], true, &mut d);
         assert_eq!(Head::parse(&d).flags, END_STREAM);
         assert_eq!(
             decode(&[0x88]),

@@ -23,11 +23,11 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head, Reason};
+use super::frame::{self, Head, Reason, StreamId};
 use super::hpack;
-use super::pump::Verdict;
-use super::streams::{error_reply, State};
-use super::Out;
+use super::reply::error_reply;
+use super::side::Out;
+use super::verdict::Verdict;
 use crate::proxy::grpc;
 use crate::proxy::intercept::Hook;
 
@@ -92,19 +92,18 @@ pub(super) struct Held {
     reply: Reply,
 }
 
-/// A hook's result, back on the connection's task.
-pub(super) enum Outcome {
-    Before {
-        stream: u32,
-        hook: Box<dyn Hook>,
-        result: Result<(), tonic::Status>,
-    },
-    After {
-        stream: u32,
-        result: Result<(), tonic::Status>,
-    },
-    /// A watched call's future ended: what its hold kept goes on.
-    Watch { stream: u32 },
+/// What the connection does next for a held call: the call's own methods
+/// decide, the connection acts (starts a hook, writes frames, forgets it).
+pub(super) enum Effect {
+    /// Nothing yet: the request or the reply is not all in, or a hook runs.
+    Wait,
+    /// Run the `before` hook on the whole request message.
+    RunBefore(Box<dyn Hook>, Bytes),
+    /// Run the `after` hook on the request and reply messages.
+    RunAfter(Box<dyn Hook>, Bytes, Bytes),
+    /// Send the reply on as containerd sent it ([`Held::release`]). With
+    /// `whole == false` it is still arriving: the call passes from here.
+    Release { whole: bool },
 }
 
 impl Held {
@@ -142,7 +141,8 @@ impl Held {
         }
     }
 
-    fn status(&self) -> Option<i32> {
+    /// The `grpc-status` of the reply collected so far.
+    pub(super) fn status(&self) -> Option<i32> {
         let find = |f: &Option<Vec<(Bytes, Bytes)>>| {
             f.as_ref()?
                 .iter()
@@ -180,7 +180,11 @@ impl Held {
     }
 
     /// A reply header block (headers, or trailers if headers came already).
-    pub(super) fn reply_headers(&mut self, fields: Vec<(Bytes, Bytes)>, end_stream: bool) {
+    pub(super) fn reply_headers(
+        &mut self,
+        fields: Vec<(Bytes, Bytes)>,
+        end_stream: bool,
+    ) -> Effect {
         if self.reply.head.is_none() {
             self.reply.head = Some(fields);
             self.reply.head_end = end_stream;
@@ -188,11 +192,15 @@ impl Held {
             self.reply.trailers = Some(fields);
         }
         self.reply.done |= end_stream;
+        match end_stream {
+            true => self.finish(),
+            false => Effect::Wait,
+        }
     }
 
-    /// A reply DATA frame; `true` when the reply outgrew what is held (it
-    /// is then released as far as it came, and the rest passes through).
-    pub(super) fn reply_data(&mut self, head: &Head, content: &[u8]) -> bool {
+    /// A reply DATA frame. When the reply outgrew what is held it is
+    /// released as far as it came, and the rest passes through.
+    pub(super) fn reply_data(&mut self, head: &Head, content: &[u8]) -> Effect {
         self.reply.data.extend_from_slice(content);
         self.reply.flow += head.len as u64;
         if head.has(frame::END_STREAM) {
@@ -201,9 +209,32 @@ impl Held {
         }
         if self.reply.data.len() > grpc::MAX_HELD_BODY {
             tracing::warn!(method = %self.method, "reply over 16 MiB; relaying it without interception");
-            return true;
+            return Effect::Release { whole: false };
         }
-        false
+        self.finish()
+    }
+
+    /// The client's END_STREAM: with a `before` hook, the whole request is
+    /// in and the hook runs (or, not interceptable, the parked frames go on
+    /// into `out`); otherwise the call may be finished.
+    pub(super) fn request_end(&mut self, out: &mut Out<'_>) -> Effect {
+        self.request_done = true;
+        if let CallState::Parking { .. } = self.state {
+            return match self.request_complete(out) {
+                Some((hook, msg)) => Effect::RunBefore(hook, msg),
+                None => Effect::Wait,
+            };
+        }
+        self.finish()
+    }
+
+    /// Once both request and reply are in: the `after` hook to run, or the
+    /// reply to release untouched when there is nothing to act on.
+    pub(super) fn finish(&mut self) -> Effect {
+        if !self.reply.done {
+            return Effect::Wait;
+        }
+        self.reply_complete()
     }
 
     /// containerd reset the stream after its whole reply.
@@ -226,9 +257,11 @@ impl Held {
 
     /// Gives back flow-control credit held frames took and never delivered.
     pub(super) fn credit_back(&self, out: Out<'_>) {
-        out.up.extend(frame::window_update(0, self.reply.flow));
+        out.up
+            .extend(frame::window_update(StreamId::ZERO, self.reply.flow));
         if let Some(p) = self.parked() {
-            out.down.extend(frame::window_update(0, p.flow));
+            out.down
+                .extend(frame::window_update(StreamId::ZERO, p.flow));
         }
     }
 
@@ -259,29 +292,30 @@ impl Held {
     }
 
     /// Before → Collecting: the `before` hook allowed the call; the parked
-    /// request goes on to containerd.
-    fn before_passed(&mut self, hook: Box<dyn Hook>, out: &mut Out<'_>) {
+    /// request goes on to containerd, and the call may be finished.
+    pub(super) fn before_passed(&mut self, hook: Box<dyn Hook>, out: &mut Out<'_>) -> Effect {
         let old = std::mem::replace(&mut self.state, CallState::Collecting { hook: Some(hook) });
         if let CallState::Before { parked } | CallState::Parking { parked, .. } = old {
             out.up.extend(parked.frames);
         }
+        self.finish()
     }
 
     /// Collecting → After when the reply is whole and the `after` hook
-    /// should run: request and reply messages for it. `Err(true)` means
-    /// wait (the request is not all in yet), `Err(false)` release the
-    /// reply as it came.
-    fn reply_complete(&mut self) -> Result<(Box<dyn Hook>, Bytes, Bytes), bool> {
+    /// should run (with the request and reply messages for it).
+    fn reply_complete(&mut self) -> Effect {
+        const RELEASE: Effect = Effect::Release { whole: true };
         match &self.state {
-            CallState::After | CallState::Before { .. } => return Err(true),
+            CallState::After | CallState::Before { .. } => return Effect::Wait,
             // containerd cannot have answered OK a request it was not sent:
             // the `before` hook runs first; an error reply is released.
-            CallState::Parking { .. } => return Err(self.status() == Some(0)),
-            CallState::Collecting { hook: None } => return Err(false),
+            CallState::Parking { .. } if self.status() == Some(0) => return Effect::Wait,
+            CallState::Parking { .. } => return RELEASE,
+            CallState::Collecting { hook: None } => return RELEASE,
             CallState::Collecting { hook: Some(_) } => {}
         }
         if self.status() != Some(0) {
-            return Err(false);
+            return RELEASE;
         }
         let rq = grpc::unary_message(&self.request.clone().freeze());
         if !self.request_done
@@ -292,27 +326,27 @@ impl Held {
         {
             // grpc-go answers a unary call as soon as it has the message,
             // maybe before the client's END_STREAM: wait for the rest.
-            return Err(true);
+            return Effect::Wait;
         }
         match (rq, grpc::unary_message(&self.reply.data.clone().freeze())) {
             (Ok(rq), Ok(rs)) => match std::mem::replace(&mut self.state, CallState::After) {
-                CallState::Collecting { hook: Some(hook) } => Ok((hook, rq, rs)),
+                CallState::Collecting { hook: Some(hook) } => Effect::RunAfter(hook, rq, rs),
                 other => {
                     self.state = other;
-                    Err(false)
+                    RELEASE
                 }
             },
             (rq, rs) => {
                 let e = rq.err().or(rs.err());
                 tracing::warn!(method = %self.method, error = ?e, "call not interceptable; relaying the reply untouched");
-                Err(false)
+                RELEASE
             }
         }
     }
 
     /// The held reply as containerd sent it (re-encoded without the dynamic
     /// table), with the credit its padding and any parked request took.
-    fn release(self, stream: u32, out: Out<'_>) {
+    pub(super) fn release(self, stream: StreamId, out: Out<'_>) {
         let reply = &self.reply;
         let mut frames = BytesMut::new();
         if let Some(head) = &reply.head {
@@ -328,16 +362,17 @@ impl Held {
         out.down.extend(reply.reset.clone());
         // Padding the client never saw is credited back to containerd.
         out.up.extend(frame::window_update(
-            0,
+            StreamId::ZERO,
             reply.flow - reply.data.len() as u64,
         ));
         if let Some(p) = self.parked() {
-            out.down.extend(frame::window_update(0, p.flow));
+            out.down
+                .extend(frame::window_update(StreamId::ZERO, p.flow));
         }
     }
 
     /// The call answered with `status` instead of containerd's reply.
-    fn fail(self, stream: u32, status: &tonic::Status, out: Out<'_>) {
+    pub(super) fn fail(self, stream: StreamId, status: &tonic::Status, out: Out<'_>) {
         out.down
             .push_back(error_reply(stream, status.code(), status.message()));
         out.down.extend(self.reply.reset.clone());
@@ -351,152 +386,6 @@ impl Held {
 fn encode(out: &mut BytesMut, fields: &[(Bytes, Bytes)]) {
     for (n, v) in fields {
         hpack::encode_field(out, n, v);
-    }
-}
-
-/// The connection ended (client gone, or broken) with held calls whose
-/// request containerd has whole: it may still carry them out, so they are
-/// followed detached, as when the client resets one.
-impl Drop for State {
-    fn drop(&mut self) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        for (_, call) in self.calls.drain() {
-            if let Some(work) = call.held.and_then(|h| h.abandon()) {
-                rt.spawn(work);
-            }
-        }
-    }
-}
-
-/// The held-call transitions that need the connection: hooks to start,
-/// calls to forget.
-impl State {
-    /// The client's END_STREAM on a held call.
-    pub(super) fn request_end(&mut self, stream: u32, mut out: Out<'_>) {
-        let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
-            return;
-        };
-        held.request_done = true;
-        if let CallState::Parking { .. } = held.state {
-            if let Some((mut hook, msg)) = held.request_complete(&mut out) {
-                self.hooks_added = true;
-                self.hooks.push(Box::pin(async move {
-                    let result = hook.before(&msg).await;
-                    Outcome::Before {
-                        stream,
-                        hook,
-                        result,
-                    }
-                }));
-            }
-            return;
-        }
-        if held.reply.done {
-            self.try_finish(stream, out);
-        }
-    }
-
-    /// Runs `work`, for a call containerd has carried out, as a task of its
-    /// own, then queues `then` of its result: a client that hangs up ends
-    /// the connection and drops `hooks`, which must not cancel the work (a
-    /// reset Create's replication once was, before it had started).
-    pub(super) fn detach<T: Send + 'static>(
-        &mut self,
-        work: impl std::future::Future<Output = T> + Send + 'static,
-        then: impl FnOnce(Result<T, tokio::task::JoinError>) -> Outcome + Send + 'static,
-    ) {
-        let task = tokio::spawn(work);
-        self.hooks_added = true;
-        self.hooks.push(Box::pin(async move { then(task.await) }));
-    }
-
-    /// Runs the `after` hook once both request and reply are in, or releases
-    /// the reply untouched when there is nothing to act on.
-    pub(super) fn try_finish(&mut self, stream: u32, out: Out<'_>) {
-        let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
-            return;
-        };
-        if !held.reply.done {
-            return;
-        }
-        match held.reply_complete() {
-            Ok((hook, rq, rs)) => self.detach(hook.after(rq, rs), move |r| Outcome::After {
-                stream,
-                result: r.unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "a replication hook panicked");
-                    Err(tonic::Status::internal(format!(
-                        "imgbridge: hook failed: {e}"
-                    )))
-                }),
-            }),
-            Err(true) => {}
-            Err(false) => self.release(stream, out, true),
-        }
-    }
-
-    /// Sends a held reply on as containerd sent it. With `whole == false` the
-    /// reply is still arriving: the call is left to pass through from here.
-    pub(super) fn release(&mut self, stream: u32, out: Out<'_>, whole: bool) {
-        let Some(call) = self.calls.get_mut(&stream) else {
-            return;
-        };
-        let Some(held) = call.held.take() else {
-            return;
-        };
-        if let Some(g) = call.guard.as_mut() {
-            g.set_status(held.status());
-        }
-        held.release(stream, out);
-        self.pings.released();
-        if whole {
-            self.calls.remove(&stream);
-        }
-    }
-
-    /// Answers a held call with `status` instead of containerd's reply.
-    fn fail(&mut self, stream: u32, status: tonic::Status, out: Out<'_>) {
-        let Some(mut call) = self.calls.remove(&stream) else {
-            return;
-        };
-        let Some(held) = call.held.take() else {
-            return;
-        };
-        held.fail(stream, &status, out);
-        if let Some(g) = call.guard.as_mut() {
-            g.set_status(Some(status.code() as i32));
-        }
-    }
-
-    /// A hook finished.
-    pub(super) fn outcome(&mut self, o: Outcome, mut out: Out<'_>) {
-        match o {
-            Outcome::Before {
-                stream,
-                hook,
-                result,
-            } => {
-                let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) else {
-                    return; // the client gave up meanwhile
-                };
-                match result {
-                    Ok(()) => {
-                        held.before_passed(hook, &mut out);
-                        self.try_finish(stream, out);
-                    }
-                    Err(status) => self.fail(stream, status, out),
-                }
-            }
-            Outcome::After { stream, result } => match result {
-                Ok(()) => self.release(stream, out, true),
-                Err(status) => self.fail(stream, status, out),
-            },
-            Outcome::Watch { stream } => {
-                self.watch_resume(stream, out);
-                self.pings.released();
-            }
-        }
     }
 }
 
@@ -559,7 +448,7 @@ mod tests {
             .unwrap();
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
         assert!(h.has(frame::END_STREAM), "Trailers-Only error reply");
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -572,7 +461,7 @@ mod tests {
         let (h, _) = read_frame(&mut server).await;
         assert_eq!((h.kind, h.flags), (Kind::Data, frame::END_STREAM));
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
         assert_eq!(p, 5u32.to_be_bytes());
     }
 
@@ -673,7 +562,7 @@ mod tests {
         let mut status = None;
         loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 1, "{h:?}");
+            assert_eq!(h.stream.get(), 1, "{h:?}");
             match h.kind {
                 Kind::Data => got.extend(p),
                 Kind::Headers => {

@@ -21,156 +21,58 @@
 //! - on shutdown it sends GOAWAY, refuses calls opened after it, and ends the
 //!   calls that never end on their own with UNAVAILABLE ([`OPEN_ENDED`]).
 //!
-//! Where each job lives (the seams hyperium/h2 has too):
-//! - [`frame`]: the wire format: frame heads, padding, the frames the splice
-//!   writes itself;
-//! - [`hpack`]: header-block decoding (one mirror per direction) and the
-//!   re-encoder that never touches a dynamic table;
-//! - `pump`: one direction's bytes: read buffer → whole frames → write queue;
+//! Where each job lives (the seams hyperium/h2 has too). No file below
+//! imports one above it:
 //! - `conn`: the connection loop: both pumps, hooks, drain, containerd lost;
-//! - `streams`: per-stream tracking, header blocks, DATA of refused calls;
+//! - `pump`: one direction's bytes: read buffer → whole frames → write queue;
+//! - `streams`: the connection's calls driven by frames, and what held and
+//!   watched calls ask of it (the effects they return);
+//! - `calls`: the calls table, each call in its [`calls::CallPhase`];
 //! - `held`: the life of an intercepted call (`held::CallState`);
+//! - `watched`: a streaming call watched message by message;
+//! - `headers`: both peers' HPACK mirrors, their SETTINGS, and memos;
+//! - `hooks`: the hooks' work in flight and what it brings back;
 //! - `ping`: the client PINGs the splice answers itself (those a released
-//!   held reply causes, which containerd would count against the client).
+//!   held reply causes, which containerd would count against the client);
+//! - `reply`: the gRPC error replies the splice writes itself;
+//! - `open_ended`: the calls a drain ends at once ([`OPEN_ENDED`]);
+//! - `verdict`, `side`, `error`, `ctx`: small shared types;
+//! - [`frame`]: the wire format: frame heads, padding, the frames the splice
+//!   writes itself, the header-block limits;
+//! - [`hpack`]: header-block decoding (one mirror per direction) and the
+//!   re-encoder that never touches a dynamic table.
 
 pub mod frame;
 pub mod hpack;
 
+mod calls;
 mod conn;
+mod ctx;
+mod error;
+mod headers;
 mod held;
+mod hooks;
+mod open_ended;
 mod ping;
 mod pump;
+mod reply;
 mod settings;
+mod side;
 mod streams;
 #[cfg(test)]
 mod testing;
+mod verdict;
 mod watched;
 
-use std::fmt;
-use std::io;
 use std::sync::Arc;
 
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::intercept::Interceptor;
-use super::observe::CallObserver;
-
-/// Largest header block (metadata), as containerd accepts.
-const MAX_BLOCK: usize = 16 << 20;
-
-/// Most CONTINUATION frames one header block may have. Empty ones add no
-/// bytes, so [`MAX_BLOCK`] alone would not bound a flood of them: each
-/// costs the splice a pass, and the block holds the connection open.
-///
-/// The count is the largest block over the smallest frame size every peer
-/// must accept (16,384 bytes): senders fill their header frames, and
-/// grpc-go (containerd, and most clients) splits header blocks at 16 KiB
-/// whatever SETTINGS_MAX_FRAME_SIZE allows, so a count derived from a
-/// larger negotiated frame size would cut off a legitimate large block.
-/// Plus 8 for frames that are not full: an encoder may close a block with
-/// an empty CONTINUATION carrying END_HEADERS after one it filled exactly,
-/// and a few partial frames are no flood. A flood is cut after 1,032
-/// frames (about 9 KiB of frame headers).
-const MAX_CONTINUATIONS: usize = MAX_BLOCK / frame::EMIT_PAYLOAD + 8;
-
-/// What the client is told when the splice can no longer read its header
-/// blocks (GOAWAY debug data, which client libraries log).
-const DESYNC: &str = "imgbridge lost track of this connection's header compression (HPACK) \
-    and cannot tell which calls it carries; reconnect";
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Side {
-    Client,
-    Containerd,
-}
-
-impl Side {
-    /// The peer on the other end of the splice.
-    fn other(self) -> Side {
-        match self {
-            Side::Client => Side::Containerd,
-            Side::Containerd => Side::Client,
-        }
-    }
-}
-
-impl fmt::Display for Side {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Side::Client => "the client",
-            Side::Containerd => "containerd",
-        })
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SpliceError {
-    #[error("the client did not open with the HTTP/2 preface; only gRPC (h2c) clients are served")]
-    Preface,
-    #[error("{0} sent a malformed frame: {1}")]
-    Malformed(Side, String),
-    #[error("{0} sent a header block that does not decode (HPACK): {1}")]
-    Hpack(Side, String),
-    #[error("{0} sent a header block over {MAX_BLOCK} bytes")]
-    BlockTooLarge(Side),
-    #[error("{0} sent a header block in over {MAX_CONTINUATIONS} CONTINUATION frames")]
-    Continuations(Side),
-    #[error("{0}: {1}")]
-    Settings(Side, String),
-    /// A frame over the SETTINGS_MAX_FRAME_SIZE its receiver allows: the
-    /// receiver would end the connection, and the fault is the sender's.
-    #[error("{0} sent a frame of {1} bytes, over the {2} the other side allows (SETTINGS_MAX_FRAME_SIZE)")]
-    FrameTooLarge(Side, usize, usize),
-    /// The HPACK mirror of the client's encoder cannot decode a request
-    /// block: which method it calls is unknown, so the connection is closed.
-    #[error("the client's header block does not decode against imgbridge's copy of its HPACK table (the copy diverged, or the block is malformed): {0}")]
-    HpackDesync(String),
-    #[error("containerd sent PUSH_PROMISE, which gRPC never uses")]
-    Push,
-    #[error("reading from {0}: {1}")]
-    Read(Side, #[source] io::Error),
-    #[error("writing to {0}: {1}")]
-    Write(Side, #[source] io::Error),
-}
-
-impl SpliceError {
-    /// containerd's socket failed or closed: the client can still be told.
-    fn is_containerd_io(&self) -> bool {
-        matches!(
-            self,
-            SpliceError::Read(Side::Containerd, _) | SpliceError::Write(Side::Containerd, _)
-        )
-    }
-
-    /// The splice lost track of the client's header compression.
-    pub fn is_desync(&self) -> bool {
-        matches!(self, SpliceError::HpackDesync(_))
-    }
-
-    /// Resets and broken pipes are how peers hang up; everything else is news.
-    pub fn is_hangup(&self) -> bool {
-        matches!(self, SpliceError::Read(_, e) | SpliceError::Write(_, e)
-            if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
-                | io::ErrorKind::ConnectionAborted | io::ErrorKind::NotConnected))
-    }
-}
-
-fn malformed(side: Side, e: impl fmt::Display) -> SpliceError {
-    SpliceError::Malformed(side, e.to_string())
-}
-
-fn hpack_error(side: Side, e: hpack::HpackError) -> SpliceError {
-    SpliceError::Hpack(side, e.to_string())
-}
-
-/// What every connection's splice shares.
-pub struct Ctx {
-    pub interceptor: Arc<dyn Interceptor>,
-    pub observer: Option<Arc<dyn CallObserver>>,
-    /// containerd's socket, named in errors.
-    pub upstream: std::path::PathBuf,
-}
+pub use ctx::Ctx;
+pub use error::SpliceError;
+pub use open_ended::{OPEN_ENDED, RESTARTING};
+pub use side::Side;
 
 /// Relays until both peers are done, a peer breaks the protocol, or `drain`
 /// fires and the calls in flight have finished (new ones are refused).
@@ -182,59 +84,4 @@ pub async fn run(
 ) -> Result<(), SpliceError> {
     let mut conn = conn::Conn::new(client, upstream, ctx, drain)?;
     std::future::poll_fn(|cx| conn.poll(cx)).await
-}
-
-/// Calls that never end on their own: the client has sent its whole
-/// request and waits for a stream of replies that lasts until it hangs up
-/// (subscriptions to containerd's events, CRI's container events, health
-/// watches).
-///
-/// How a drain treats the calls in flight, once GOAWAY told the client to
-/// open no more:
-/// - a call on this list is ended at once: RST_STREAM(CANCEL) to containerd,
-///   and to the client UNAVAILABLE ([`RESTARTING`]; Trailers-Only, or
-///   trailers after the replies it already has), its later frames dropped.
-///   Waiting could only run into the drain timeout, and its clients (`ctr
-///   events`, kubelet, buildkit) subscribe again on UNAVAILABLE, meeting the
-///   next instance;
-/// - every other call is let finish (the drain timeout bounds them all):
-///   unary calls, those a hook holds (a replication in progress), transfers
-///   such as `Content.Read` or `Content.Write`, even when they look idle (a
-///   `Diff.Apply` or a writer waiting for its registry sends nothing for
-///   seconds), and `Tasks.Wait`, which ends when its process does and whose
-///   callers do not retry it. `Streaming.Stream` (containerd 2) serves a
-///   `Transfer` call in flight and ends with it.
-///
-/// The list is matched once per call when it opens (a length compare for
-/// nearly every method); the drain itself costs nothing per frame.
-pub const OPEN_ENDED: [&str; 3] = [
-    "/containerd.services.events.v1.Events/Subscribe",
-    "/runtime.v1.RuntimeService/GetContainerEvents",
-    "/grpc.health.v1.Health/Watch",
-];
-
-/// What the client of an open-ended call is told when a drain ends it.
-pub const RESTARTING: &str =
-    "imgbridge is restarting: this stream was ended; call again to continue";
-
-fn open_ended(method: &str) -> bool {
-    OPEN_ENDED.contains(&method)
-}
-
-/// Where frames the splice writes itself go, written at the next frame
-/// boundary of each direction: `up` toward containerd, `down` toward the
-/// client.
-struct Out<'a> {
-    up: &'a mut std::collections::VecDeque<bytes::Bytes>,
-    down: &'a mut std::collections::VecDeque<bytes::Bytes>,
-}
-
-impl Out<'_> {
-    /// The queue toward `side`.
-    fn to(&mut self, side: Side) -> &mut std::collections::VecDeque<bytes::Bytes> {
-        match side {
-            Side::Containerd => self.up,
-            Side::Client => self.down,
-        }
-    }
 }

@@ -31,8 +31,8 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::frame::{Head, Kind, HEADER_LEN};
-use super::pump::Verdict;
-use super::{Out, Side};
+use super::side::{Out, Side};
+use super::verdict::Verdict;
 
 /// The PING frame type (RFC 9113 §6.7).
 /// A PING's payload: always 8 bytes.

@@ -5,14 +5,18 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 
+use super::error::{malformed, SpliceError};
 use super::frame::{self, Head, Kind, HEADER_LEN};
+use super::headers::Block;
+use super::side::{Out, Side};
 use super::streams::State;
-use super::{malformed, Out, Side, SpliceError};
+use super::verdict::Verdict;
+use crate::lock::lock;
 use crate::proxy::sock::Sock;
 
 /// Read buffer per direction; as large as the floor relay's.
@@ -33,7 +37,7 @@ static SPARE: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 const SPARE_MAX: usize = 8;
 
 fn take_buf() -> Vec<u8> {
-    let spare = SPARE.lock().unwrap_or_else(PoisonError::into_inner).pop();
+    let spare = lock(&SPARE).pop();
     spare.unwrap_or_else(|| vec![0; BUF])
 }
 
@@ -41,7 +45,7 @@ fn give_buf(buf: Vec<u8>) {
     if buf.len() != BUF {
         return; // grown for a big frame, or never taken
     }
-    let mut spare = SPARE.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut spare = lock(&SPARE);
     if spare.len() < SPARE_MAX {
         spare.push(buf);
     }
@@ -81,16 +85,6 @@ pub(super) struct Pump {
 enum Seg {
     Buf(usize, usize),
     Own(Bytes),
-}
-
-pub(super) struct Block {
-    pub(super) stream: u32,
-    pub(super) end_stream: bool,
-    /// Its frames go out as they came (see [`State::mirror`](super::streams::State::mirror)).
-    pub(super) forward: bool,
-    pub(super) bytes: Vec<u8>,
-    /// CONTINUATION frames so far (empty ones too).
-    pub(super) continuations: usize,
 }
 
 impl Pump {
@@ -157,17 +151,8 @@ impl Pump {
     /// Moves the bytes read so far forward: DATA of ordinary calls as is, the
     /// rest through [`State::frame`](super::streams::State::frame).
     fn classify(&mut self, other: &mut VecDeque<Bytes>, st: &mut State) -> Result<(), SpliceError> {
-        if self.preface {
-            if self.end - self.scan < frame::PREFACE.len() {
-                self.want = frame::PREFACE.len();
-                return Ok(());
-            }
-            if &self.buf[self.scan..self.scan + frame::PREFACE.len()] != frame::PREFACE {
-                return Err(SpliceError::Preface);
-            }
-            self.push_buf(self.scan, self.scan + frame::PREFACE.len());
-            self.scan += frame::PREFACE.len();
-            self.preface = false;
+        if self.preface && !self.preface()? {
+            return Ok(());
         }
         loop {
             if self.skip > 0 {
@@ -192,7 +177,7 @@ impl Pump {
                 return Ok(());
             }
             let head = Head::parse(&self.buf[self.scan..]);
-            let limit = st.frame_limit(self.from);
+            let limit = st.headers.frame_limit(self.from);
             if head.len > limit {
                 return Err(SpliceError::FrameTooLarge(self.from, head.len, limit));
             }
@@ -236,24 +221,53 @@ impl Pump {
             if self.from == Side::Containerd {
                 self.settle(st)?;
             }
-            let frame = &self.buf[self.scan..self.scan + total];
-            let out = match self.from {
-                Side::Client => Out {
-                    up: &mut self.emit,
-                    down: other,
-                },
-                Side::Containerd => Out {
-                    up: other,
-                    down: &mut self.emit,
-                },
-            };
-            let verdict = st.frame(self.from, &head, frame, &mut self.block, out)?;
-            if verdict == Verdict::Forward {
-                self.push_buf(self.scan, self.scan + total);
-            }
-            self.segs.extend(self.emit.drain(..).map(Seg::Own));
-            self.scan += total;
+            self.whole_frame(&head, total, other, st)?;
         }
+    }
+
+    /// The client's connection preface: `Ok(false)` while it is not all in.
+    fn preface(&mut self) -> Result<bool, SpliceError> {
+        if self.end - self.scan < frame::PREFACE.len() {
+            self.want = frame::PREFACE.len();
+            return Ok(false);
+        }
+        if &self.buf[self.scan..self.scan + frame::PREFACE.len()] != frame::PREFACE {
+            return Err(SpliceError::Preface);
+        }
+        self.push_buf(self.scan, self.scan + frame::PREFACE.len());
+        self.scan += frame::PREFACE.len();
+        self.preface = false;
+        Ok(true)
+    }
+
+    /// A whole frame at `scan` (`total` bytes), through
+    /// [`State::frame`](super::streams::State::frame): forwarded or not,
+    /// with what it puts in its place.
+    fn whole_frame(
+        &mut self,
+        head: &Head,
+        total: usize,
+        other: &mut VecDeque<Bytes>,
+        st: &mut State,
+    ) -> Result<(), SpliceError> {
+        let frame = &self.buf[self.scan..self.scan + total];
+        let out = match self.from {
+            Side::Client => Out {
+                up: &mut self.emit,
+                down: other,
+            },
+            Side::Containerd => Out {
+                up: other,
+                down: &mut self.emit,
+            },
+        };
+        let verdict = st.frame(self.from, head, frame, &mut self.block, out)?;
+        if verdict == Verdict::Forward {
+            self.push_buf(self.scan, self.scan + total);
+        }
+        self.segs.extend(self.emit.drain(..).map(Seg::Own));
+        self.scan += total;
+        Ok(())
     }
 
     fn flush(&mut self, cx: &mut Context<'_>, dst: &mut Sock) -> Poll<io::Result<()>> {
@@ -472,13 +486,6 @@ impl Drop for Pump {
     fn drop(&mut self) {
         give_buf(std::mem::take(&mut self.buf));
     }
-}
-
-/// What becomes of a whole frame the splice looked at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Verdict {
-    Forward,
-    Swallow,
 }
 
 #[cfg(test)]

@@ -1,199 +1,69 @@
-//! Per-stream tracking, shared by both directions: which calls are open,
-//! what their header blocks say (method, namespace, status), the HPACK
-//! mirror of each peer's encoder, and the calls that are refused.
+//! The connection's calls, driven by the frames of both directions: which
+//! calls are open and in what phase ([`super::calls`]), what their header
+//! blocks say ([`super::headers`]), and what the effects that held and
+//! watched calls return ask of the connection (start a hook, write frames,
+//! forget a call). Held and watched calls never reach back in here: they
+//! return [`Effect`]s and [`Step`]s, and this file acts on them.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::future::BoxFuture;
-use futures_util::stream::FuturesUnordered;
 
-use super::frame::{self, Head, Kind, Reason, HEADER_LEN};
-use super::held::{Held, Outcome};
-use super::hpack::{self, Decoder};
+use super::calls::{Call, CallPhase, Calls};
+use super::ctx::Ctx;
+use super::error::{malformed, SpliceError};
+use super::frame::{self, Head, Kind, Reason, StreamId, HEADER_LEN, MAX_BLOCK, MAX_CONTINUATIONS};
+use super::headers::{Block, Headers};
+use super::held::{Effect, Held};
+use super::hooks::{Hooks, Outcome};
+use super::hpack;
+use super::open_ended::{open_ended, RESTARTING};
 use super::ping::Pings;
-use super::pump::{Block, Verdict};
-use super::settings::Advertised;
+use super::reply::{error_reply, error_trailers};
+use super::side::{Out, Side};
+use super::verdict::Verdict;
 use super::watched::{Step, Watched};
-use super::MAX_CONTINUATIONS;
-use super::RESTARTING;
-use super::{hpack_error, malformed, open_ended, Ctx, Out, Side, SpliceError, MAX_BLOCK};
 use crate::proxy::grpc;
 use crate::proxy::intercept::CallInfo;
 use crate::proxy::observe::CallGuard;
 
-/// The HPACK table size every decoder starts with (RFC 7541 §4.2), until
-/// SETTINGS allow more.
-const INITIAL_TABLE: usize = 4096;
-
 /// Per-connection call state, shared by both directions.
 pub(super) struct State {
     pub(super) ctx: Arc<Ctx>,
-    pub(super) calls: HashMap<u32, Call, BuildHasherDefault<StreamIdHasher>>,
-    pub(super) client_dec: Decoder,
-    pub(super) server_dec: Decoder,
-    /// What the client's SETTINGS allow containerd's encoder, and the
-    /// other way round.
-    pub(super) client_settings: Advertised,
-    pub(super) server_settings: Advertised,
-    pub(super) hooks: FuturesUnordered<BoxFuture<'static, Outcome>>,
-    pub(super) hooks_added: bool,
-    pub(super) last_stream: u32,
+    pub(super) calls: Calls,
+    pub(super) headers: Headers,
+    pub(super) hooks: Hooks,
+    pub(super) last_stream: StreamId,
     /// Set once GOAWAY was sent: streams above it are refused.
-    pub(super) goaway: Option<u32>,
+    pub(super) goaway: Option<StreamId>,
     /// containerd went away; new calls are answered UNAVAILABLE.
     pub(super) lost: bool,
     /// The client closed its side: containerd's EOF is the normal end.
     pub(super) client_gone: bool,
-    /// The client's HPACK table for containerd's blocks is the same as
-    /// containerd's: blocks of calls that are neither held nor refused go
-    /// out byte for byte.
-    pub(super) mirror: bool,
-    /// The last `:path` and namespace seen: calls on a connection mostly
-    /// repeat them, and sharing saves an allocation per call.
-    pub(super) seen_path: Option<Arc<str>>,
-    pub(super) seen_namespace: Option<Arc<str>>,
-    /// The last request block and what it said (method, namespace).
-    pub(super) request_seen: Repeat<(Arc<str>, Option<Arc<str>>)>,
-    /// The last passed reply block and its `grpc-status`.
-    pub(super) reply_seen: Repeat<Option<i32>>,
-    /// Where containerd's header blocks are re-encoded: each frame is split
-    /// off, and the space is reused once the frames are written.
-    pub(super) out: BytesMut,
     /// Calls answered in this round, reported to the observer once the
     /// round's writes are done.
     pub(super) ended: Vec<CallGuard>,
     /// Calls no hook holds, whose bookkeeping waits until their request is
     /// written: see [`State::open_calls`].
-    pub(super) opening: Vec<(u32, Arc<str>)>,
+    pub(super) opening: Vec<(StreamId, Arc<str>)>,
     /// Which client PINGs containerd would count against it.
     pub(super) pings: Pings,
-}
-
-/// `v` as a shared string, reusing `seen` when it holds the same text.
-fn intern(seen: &mut Option<Arc<str>>, v: &[u8]) -> Arc<str> {
-    match seen {
-        Some(s) if s.as_bytes() == v => s.clone(),
-        _ => seen.insert(String::from_utf8_lossy(v).into()).clone(),
-    }
-}
-
-/// A header block that decoded without changing its decoder's table, and
-/// what it said. Calls on a connection repeat their blocks byte for byte
-/// (every field indexed), and the same bytes against the same table decode
-/// to the same fields: comparing them is cheaper than decoding again.
-pub(super) struct Repeat<T> {
-    block: Vec<u8>,
-    /// The decoder's change count when it was seen; any change since
-    /// invalidates it.
-    changes: u64,
-    value: Option<T>,
-}
-
-impl<T> Default for Repeat<T> {
-    fn default() -> Self {
-        Repeat {
-            block: Vec::new(),
-            changes: 0,
-            value: None,
-        }
-    }
-}
-
-/// Longer blocks are decoded every time: they are rare and compare slowly.
-const REPEAT_MAX: usize = 256;
-
-impl<T> Repeat<T> {
-    pub(super) fn get(&self, dec: &Decoder, block: &[u8]) -> Option<&T> {
-        let v = self.value.as_ref()?;
-        (self.changes == dec.changes() && self.block == block).then_some(v)
-    }
-
-    /// Remembers `block` if decoding it (from change count `before`) left
-    /// the table as it was.
-    fn put(&mut self, dec: &Decoder, before: u64, block: &[u8], value: T) {
-        if dec.changes() != before || block.len() > REPEAT_MAX {
-            return;
-        }
-        self.block.clear();
-        self.block.extend_from_slice(block);
-        self.changes = before;
-        self.value = Some(value);
-    }
-}
-
-pub(super) struct Call {
-    pub(super) guard: Option<CallGuard>,
-    pub(super) held: Option<Box<Held>>,
-    /// Opened after GOAWAY, or ended by a drain: reset at containerd and
-    /// answered to the client, its later frames dropped.
-    pub(super) refused: bool,
-    /// On the [`OPEN_ENDED`] list.
-    pub(super) open_ended: bool,
-    /// A reply header block went to the client.
-    pub(super) replied: bool,
-    /// A streaming call the policy watches (never held as a whole).
-    pub(super) watch: Option<Box<Watched>>,
-}
-
-/// Room for the re-encoded header frames of many replies: the space is
-/// reclaimed in place once they are written.
-const OUT_ARENA: usize = 4096;
-
-/// Stream ids are distinct small integers: a multiply spreads them over the
-/// hash bits; SipHash was a measurable share of a call's CPU.
-#[derive(Default)]
-pub(super) struct StreamIdHasher(u64);
-
-impl Hasher for StreamIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 << 8 | *b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u32(&mut self, n: u32) {
-        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
 }
 
 impl State {
     pub(super) fn new(ctx: Arc<Ctx>) -> State {
         State {
             ctx,
-            calls: HashMap::default(),
-            client_dec: Decoder::new(INITIAL_TABLE),
-            server_dec: Decoder::new(INITIAL_TABLE),
-            client_settings: Advertised::default(),
-            server_settings: Advertised::default(),
-            hooks: FuturesUnordered::new(),
-            hooks_added: false,
-            last_stream: 0,
+            calls: Calls::default(),
+            headers: Headers::default(),
+            hooks: Hooks::default(),
+            last_stream: StreamId::ZERO,
             goaway: None,
             lost: false,
             client_gone: false,
-            mirror: true,
-            seen_path: None,
-            seen_namespace: None,
-            request_seen: Repeat::default(),
-            reply_seen: Repeat::default(),
-            out: BytesMut::with_capacity(OUT_ARENA),
             ended: Vec::new(),
             opening: Vec::new(),
             pings: Pings::default(),
-        }
-    }
-
-    /// The largest frame `from` may send: what the other side's SETTINGS
-    /// allow.
-    pub(super) fn frame_limit(&self, from: Side) -> usize {
-        match from {
-            Side::Client => self.server_settings.frame_limit(),
-            Side::Containerd => self.client_settings.frame_limit(),
         }
     }
 
@@ -206,13 +76,14 @@ impl State {
             | Kind::PushPromise
             | Kind::Settings
             | Kind::Ping => true,
-            Kind::Data => self.calls.get(&head.stream).is_some_and(|c| {
-                c.refused
-                    || c.watch.is_some()
-                    || c.held
-                        .as_ref()
-                        .is_some_and(|h| from == Side::Containerd || !h.request_done())
-            }),
+            Kind::Data => self
+                .calls
+                .get(&head.stream)
+                .is_some_and(|c| match &c.phase {
+                    CallPhase::Passing => false,
+                    CallPhase::Refused | CallPhase::Watched(_) => true,
+                    CallPhase::Held(h) => from == Side::Containerd || !h.request_done(),
+                }),
             _ => false,
         }
     }
@@ -229,20 +100,20 @@ impl State {
 
     /// Forgets an answered call. Its metrics are recorded after the reply
     /// is written (see `ended`), not between reading and writing it.
-    pub(super) fn end_call(&mut self, stream: u32) {
+    pub(super) fn end_call(&mut self, stream: StreamId) {
         if let Some(guard) = self.calls.remove(&stream).and_then(|c| c.guard) {
             self.ended.push(guard);
         }
     }
 
     /// Ends every open-ended call that is neither answered nor held: reset
-    /// at containerd, UNAVAILABLE to the client (see [`OPEN_ENDED`]).
+    /// at containerd, UNAVAILABLE to the client (see [`super::OPEN_ENDED`]).
     pub(super) fn end_open_ended(&mut self, out: Out<'_>) {
         for (&stream, call) in self.calls.iter_mut() {
-            if !call.open_ended || call.refused || call.held.is_some() {
+            if !call.open_ended || call.refused() || call.held().is_some() {
                 continue;
             }
-            call.refused = true;
+            call.phase = CallPhase::Refused;
             out.up.push_back(frame::rst_stream(stream, Reason::CANCEL));
             let code = tonic::Code::Unavailable;
             out.down.push_back(match call.replied {
@@ -257,9 +128,10 @@ impl State {
     }
 
     pub(super) fn awaiting_hooks(&self) -> bool {
-        (self.calls.values()).any(|c| {
-            c.held.as_ref().is_some_and(|h| h.reply_done())
-                || c.watch.as_ref().is_some_and(|w| w.waiting())
+        (self.calls.values()).any(|c| match &c.phase {
+            CallPhase::Held(h) => h.reply_done(),
+            CallPhase::Watched(w) => w.waiting(),
+            CallPhase::Passing | CallPhase::Refused => false,
         })
     }
 
@@ -277,52 +149,9 @@ impl State {
             self.open_calls();
         }
         let payload = &frame[HEADER_LEN..];
-        let verdict = |forward| match forward {
-            true => Verdict::Forward,
-            false => Verdict::Swallow,
-        };
         match head.kind {
-            Kind::Headers => {
-                if head.stream == 0 {
-                    return Err(malformed(from, "HEADERS on stream 0"));
-                }
-                let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
-                // The client's blocks always go out as they are.
-                let forward = from == Side::Client || self.passes(head.stream);
-                if head.has(frame::END_HEADERS) {
-                    let end = head.has(frame::END_STREAM);
-                    self.block_done(from, head.stream, end, forward, &payload[r], out)?;
-                } else {
-                    *block = Some(Block {
-                        stream: head.stream,
-                        end_stream: head.has(frame::END_STREAM),
-                        forward,
-                        bytes: payload[r].to_vec(),
-                        continuations: 0,
-                    });
-                }
-                Ok(verdict(forward))
-            }
-            Kind::Continuation => {
-                let mut b = match block.take() {
-                    Some(b) if b.stream == head.stream => b,
-                    _ => return Err(malformed(from, "CONTINUATION without its HEADERS")),
-                };
-                if b.bytes.len() + payload.len() > MAX_BLOCK {
-                    return Err(SpliceError::BlockTooLarge(from));
-                }
-                b.continuations += 1;
-                if b.continuations > MAX_CONTINUATIONS {
-                    return Err(SpliceError::Continuations(from));
-                }
-                b.bytes.extend_from_slice(payload);
-                let forward = b.forward;
-                if head.has(frame::END_HEADERS) {
-                    self.block_done(from, b.stream, b.end_stream, forward, &b.bytes, out)?;
-                } else {
-                    *block = Some(b);
-                }
-                Ok(verdict(forward))
+            Kind::Headers | Kind::Continuation => {
+                self.header_frame(from, head, payload, block, out)
             }
             Kind::Data => self.data(from, head, frame, out),
             Kind::RstStream => {
@@ -342,30 +171,63 @@ impl State {
                 Ok(v)
             }
             Kind::Settings if head.stream == 0 => {
-                self.settings(from, head, payload)?;
+                self.headers.settings(from, head, payload)?;
                 Ok(Verdict::Forward)
             }
             _ => Ok(Verdict::Forward),
         }
     }
 
-    /// SETTINGS from `from` (passed on untouched): the table size the other
-    /// peer's encoder may use follows them once sent, and `from`'s own once
-    /// `from` acknowledges the other's.
-    fn settings(&mut self, from: Side, head: &Head, payload: &[u8]) -> Result<(), SpliceError> {
-        let (own, others) = match from {
-            Side::Client => (&mut self.client_settings, &mut self.server_settings),
-            Side::Containerd => (&mut self.server_settings, &mut self.client_settings),
-        };
-        if head.has(frame::ACK) {
-            others.acked();
-        } else {
-            (own.sent(payload)).map_err(|e| SpliceError::Settings(from, e.to_string()))?;
+    /// A HEADERS or CONTINUATION frame: gathered into `block` until the
+    /// header block ends, then read.
+    fn header_frame(
+        &mut self,
+        from: Side,
+        head: &Head,
+        payload: &[u8],
+        block: &mut Option<Block>,
+        out: Out<'_>,
+    ) -> Result<Verdict, SpliceError> {
+        if head.kind == Kind::Headers {
+            if head.stream == 0 {
+                return Err(malformed(from, "HEADERS on stream 0"));
+            }
+            let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
+            // The client's blocks always go out as they are.
+            let forward = from == Side::Client || self.passes(head.stream);
+            if head.has(frame::END_HEADERS) {
+                let end = head.has(frame::END_STREAM);
+                self.block_done(from, head.stream, end, forward, &payload[r], out)?;
+            } else {
+                *block = Some(Block {
+                    stream: head.stream,
+                    end_stream: head.has(frame::END_STREAM),
+                    forward,
+                    bytes: payload[r].to_vec(),
+                    continuations: 0,
+                });
+            }
+            return Ok(Verdict::forward_if(forward));
         }
-        // Blocks from the client are read with what containerd allowed it.
-        (self.client_dec).set_limit(self.server_settings.table_limit());
-        (self.server_dec).set_limit(self.client_settings.table_limit());
-        Ok(())
+        let mut b = match block.take() {
+            Some(b) if b.stream == head.stream => b,
+            _ => return Err(malformed(from, "CONTINUATION without its HEADERS")),
+        };
+        if b.bytes.len() + payload.len() > MAX_BLOCK {
+            return Err(SpliceError::BlockTooLarge(from));
+        }
+        b.continuations += 1;
+        if b.continuations > MAX_CONTINUATIONS {
+            return Err(SpliceError::Continuations(from));
+        }
+        b.bytes.extend_from_slice(payload);
+        let forward = b.forward;
+        if head.has(frame::END_HEADERS) {
+            self.block_done(from, b.stream, b.end_stream, forward, &b.bytes, out)?;
+        } else {
+            *block = Some(b);
+        }
+        Ok(Verdict::forward_if(forward))
     }
 
     /// Records the calls that [`State::request_headers`] let through before
@@ -374,39 +236,21 @@ impl State {
     pub(super) fn open_calls(&mut self) {
         // Popped, not taken: the vector keeps its room for the next call.
         while let Some((stream, method)) = self.opening.pop() {
-            self.open(stream, method, None);
+            self.open(stream, method, CallPhase::Passing);
         }
     }
 
-    /// Starts tracking call `stream`: its metrics, and its hook if held.
-    pub(super) fn open(&mut self, stream: u32, method: Arc<str>, held: Option<Box<Held>>) {
+    /// Starts tracking call `stream` in `phase`, with its metrics.
+    fn open(&mut self, stream: StreamId, method: Arc<str>, phase: CallPhase) {
         let open_ended = open_ended(&method);
         let guard = (self.ctx.observer.as_ref()).map(|o| CallGuard::new(o.clone(), method));
-        let call = Call {
-            guard,
-            held,
-            refused: false,
-            open_ended,
-            replied: false,
-            watch: None,
-        };
-        self.calls.insert(stream, call);
+        self.calls
+            .insert(stream, Call::new(guard, phase, open_ended));
     }
 
     /// Whether containerd's block for `stream` goes out as it came.
-    pub(super) fn passes(&self, stream: u32) -> bool {
-        self.mirror
-            && !(self.calls.get(&stream))
-                .is_some_and(|c| c.refused || c.held.is_some() || c.watch.is_some())
-    }
-
-    /// After a containerd block that did not go out as it came: if it changed
-    /// containerd's table, the client's no longer mirrors it.
-    pub(super) fn kept_back(&mut self, changes_before: u64) {
-        if self.mirror && self.server_dec.changes() != changes_before {
-            self.mirror = false;
-            tracing::debug!("a held reply changed containerd's HPACK table: re-encoding its header blocks from now on");
-        }
+    pub(super) fn passes(&self, stream: StreamId) -> bool {
+        self.headers.mirrored() && self.calls.get(&stream).is_none_or(|c| c.passing())
     }
 
     /// A whole header block from `from`; `forwarded` when its frames went
@@ -414,7 +258,7 @@ impl State {
     fn block_done(
         &mut self,
         from: Side,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         forwarded: bool,
         block: &[u8],
@@ -430,27 +274,11 @@ impl State {
     /// containerd's block that went out as it came: read for the status.
     pub(super) fn passed_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
     ) -> Result<(), SpliceError> {
-        let status = match self.reply_seen.get(&self.server_dec, block) {
-            Some(status) => *status,
-            None => {
-                let mut status = None;
-                let changes = self.server_dec.changes();
-                (self.server_dec)
-                    .decode(block, |n, v| {
-                        if n == b"grpc-status" {
-                            status = grpc::parse_status(v);
-                        }
-                    })
-                    .map_err(|e| hpack_error(Side::Containerd, e))?;
-                self.reply_seen
-                    .put(&self.server_dec, changes, block, status);
-                status
-            }
-        };
+        let status = self.headers.passed_status(block)?;
         self.record_status(stream, end_stream, status);
         Ok(())
     }
@@ -465,7 +293,12 @@ impl State {
         SpliceError::HpackDesync(e.to_string())
     }
 
-    pub(super) fn record_status(&mut self, stream: u32, end_stream: bool, status: Option<i32>) {
+    pub(super) fn record_status(
+        &mut self,
+        stream: StreamId,
+        end_stream: bool,
+        status: Option<i32>,
+    ) {
         if let Some(c) = self.calls.get_mut(&stream) {
             c.replied = true;
             if let Some(g) = c.guard.as_mut() {
@@ -477,37 +310,16 @@ impl State {
         }
     }
 
+    /// A client header block: a new call (opened in the phase the policy
+    /// gives it, or refused), or request trailers.
     pub(super) fn request_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
         out: Out<'_>,
     ) -> Result<(), SpliceError> {
-        let (path, namespace) = match self.request_seen.get(&self.client_dec, block) {
-            Some((p, ns)) => (Some(p.clone()), ns.clone()),
-            None => {
-                let mut path = None;
-                let mut namespace = None;
-                let (seen_path, seen_ns) = (&mut self.seen_path, &mut self.seen_namespace);
-                let changes = self.client_dec.changes();
-                (self.client_dec)
-                    .decode(block, |n, v| match n {
-                        b":path" => path = Some(intern(seen_path, v)),
-                        b"containerd-namespace" if namespace.is_none() => {
-                            namespace = Some(intern(seen_ns, v))
-                        }
-                        _ => {}
-                    })
-                    .map_err(|e| self.desync(e))?;
-                if let Some(p) = &path {
-                    let value = (p.clone(), namespace.clone());
-                    self.request_seen
-                        .put(&self.client_dec, changes, block, value);
-                }
-                (path, namespace)
-            }
-        };
+        let (path, namespace) = self.headers.request(block).map_err(|e| self.desync(e))?;
         if self.calls.contains_key(&stream) {
             // Request trailers.
             if end_stream {
@@ -531,15 +343,8 @@ impl State {
         if self.goaway.is_some_and(|last| stream > last) {
             out.up.push_back(frame::rst_stream(stream, Reason::CANCEL));
             (out.down).push_back(frame::rst_stream(stream, Reason::REFUSED_STREAM));
-            let call = Call {
-                guard: None,
-                held: None,
-                refused: true,
-                open_ended: false,
-                replied: false,
-                watch: None,
-            };
-            self.calls.insert(stream, call);
+            self.calls
+                .insert(stream, Call::new(None, CallPhase::Refused, false));
             return Ok(());
         }
         let info = CallInfo {
@@ -548,10 +353,8 @@ impl State {
         };
         let Some(hook) = self.ctx.interceptor.select(&info) else {
             if let Some(watch) = self.ctx.interceptor.watch(&info) {
-                self.open(stream, info.method, None);
-                if let Some(c) = self.calls.get_mut(&stream) {
-                    c.watch = Some(Box::new(Watched::new(watch)));
-                }
+                let phase = CallPhase::Watched(Box::new(Watched::new(watch)));
+                self.open(stream, info.method, phase);
                 return Ok(());
             }
             // Its frames pass as they are; the rest can wait for the write.
@@ -559,79 +362,54 @@ impl State {
             return Ok(());
         };
         let held = Box::new(Held::new(info.method.to_string(), hook));
-        self.open(stream, info.method, Some(held));
+        self.open(stream, info.method, CallPhase::Held(held));
         if end_stream {
             self.request_end(stream, out);
         }
         Ok(())
     }
 
+    /// containerd's block that did not go out as it came: kept by a held
+    /// or watched call, or re-encoded (dropped for a refused call).
     fn response_headers(
         &mut self,
-        stream: u32,
+        stream: StreamId,
         end_stream: bool,
         block: &[u8],
         out: Out<'_>,
     ) -> Result<(), SpliceError> {
-        let changes = self.server_dec.changes();
-        if let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held.as_mut()) {
-            let mut fields = Vec::new();
-            (self.server_dec)
-                .decode(block, |n, v| {
-                    fields.push((Bytes::copy_from_slice(n), Bytes::copy_from_slice(v)))
-                })
-                .map_err(|e| hpack_error(Side::Containerd, e))?;
-            held.reply_headers(fields, end_stream);
-            self.kept_back(changes);
-            if end_stream {
-                self.try_finish(stream, out);
-            }
-            return Ok(());
-        }
-        if (self.calls.get(&stream)).is_some_and(|c| c.watch.is_some()) {
-            let mut fields = Vec::new();
-            (self.server_dec)
-                .decode(block, |n, v| {
-                    fields.push((Bytes::copy_from_slice(n), Bytes::copy_from_slice(v)))
-                })
-                .map_err(|e| hpack_error(Side::Containerd, e))?;
-            self.kept_back(changes);
-            let w = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut());
-            let step = w.map_or(Step::Pass, |w| w.reply_block(&fields, end_stream));
-            if let Step::Pass = step {
-                let status = (fields.iter())
-                    .find(|(n, _)| &n[..] == b"grpc-status")
-                    .and_then(|(_, v)| grpc::parse_status(v));
-                let mut frames = BytesMut::new();
-                frame::header_frames(stream, end_stream, &mut frames, |b| {
-                    for (n, v) in &fields {
-                        hpack::encode_field(b, n, v);
-                    }
-                });
-                out.down.push_back(frames.freeze());
-                self.record_status(stream, end_stream, status);
-            } else {
-                self.watch_step(stream, step, out);
-            }
-            return Ok(());
-        }
-        let refused = self.calls.get(&stream).is_some_and(|c| c.refused);
-        let mut status = None;
-        let frame = &mut self.out;
-        frame.reserve(block.len() + 64);
-        let dec = &mut self.server_dec;
-        frame::header_frames(stream, end_stream, frame, |b| {
-            dec.decode(block, |n, v| {
-                if n == b"grpc-status" {
-                    status = grpc::parse_status(v);
+        let phase = self.calls.get(&stream).map(|c| &c.phase);
+        if let Some(CallPhase::Held(_) | CallPhase::Watched(_)) = phase {
+            let fields = self.headers.kept_fields(block)?;
+            let Some(call) = self.calls.get_mut(&stream) else {
+                return Ok(());
+            };
+            match &mut call.phase {
+                CallPhase::Held(held) => {
+                    let effect = held.reply_headers(fields, end_stream);
+                    self.held_effect(stream, effect, out);
                 }
-                hpack::encode_field(b, n, v);
-            })
-        })
-        .map_err(|e| hpack_error(Side::Containerd, e))?;
-        self.kept_back(changes);
+                CallPhase::Watched(w) => match w.reply_block(&fields, end_stream) {
+                    Step::Pass => {
+                        let status = grpc_status(&fields);
+                        let mut frames = BytesMut::new();
+                        frame::header_frames(stream, end_stream, &mut frames, |b| {
+                            for (n, v) in &fields {
+                                hpack::encode_field(b, n, v);
+                            }
+                        });
+                        out.down.push_back(frames.freeze());
+                        self.record_status(stream, end_stream, status);
+                    }
+                    step => self.watch_step(stream, step, out),
+                },
+                CallPhase::Passing | CallPhase::Refused => {}
+            }
+            return Ok(());
+        }
+        let refused = phase.is_some_and(|p| matches!(p, CallPhase::Refused));
+        let (frame, status) = self.headers.reencode(stream, end_stream, block)?;
         self.record_status(stream, end_stream, status);
-        let frame = self.out.split().freeze();
         if !refused {
             out.down.push_back(frame);
         }
@@ -639,47 +417,51 @@ impl State {
     }
 
     /// RST_STREAM on `stream`: what it ends, and whether it goes on.
-    fn reset(&mut self, from: Side, stream: u32, frame: &[u8], out: Out<'_>) -> Verdict {
-        if from == Side::Containerd {
-            if let Some(call) = self.calls.get_mut(&stream) {
-                if call.refused {
+    fn reset(&mut self, from: Side, stream: StreamId, frame: &[u8], out: Out<'_>) -> Verdict {
+        if let (Side::Containerd, Some(call)) = (from, self.calls.get_mut(&stream)) {
+            match &mut call.phase {
+                CallPhase::Refused => {
                     // The client has its answer for this stream already.
                     self.calls.remove(&stream);
                     return Verdict::Swallow;
                 }
-                match call.watch.as_mut().map(|w| w.reply_reset(frame)) {
-                    None | Some(Step::Pass) => {}
-                    Some(step) => {
+                CallPhase::Watched(w) => match w.reply_reset(frame) {
+                    Step::Pass => {}
+                    step => {
                         self.watch_step(stream, step, out);
                         return Verdict::Swallow;
                     }
-                }
-            }
-            if let Some(call) = self.calls.get_mut(&stream) {
-                if let Some(held) = call.held.as_mut().filter(|h| h.reply_done()) {
-                    // grpc-go resets (NO_ERROR) a stream it has answered
-                    // before the client's END_STREAM: it follows the reply.
+                },
+                // grpc-go resets (NO_ERROR) a stream it has answered
+                // before the client's END_STREAM: it follows the reply.
+                CallPhase::Held(held) if held.reply_done() => {
                     held.reset_after_reply(Bytes::copy_from_slice(frame));
                     return Verdict::Swallow;
                 }
+                CallPhase::Held(_) | CallPhase::Passing => {}
             }
         }
         if let Some(call) = self.calls.remove(&stream) {
-            if let Some(held) = call.held {
-                held.credit_back(out);
-                if from == Side::Client {
-                    if let Some(work) = held.abandon() {
-                        tokio::spawn(work);
+            match call.phase {
+                CallPhase::Held(held) => {
+                    held.credit_back(out);
+                    if from == Side::Client {
+                        if let Some(work) = held.abandon() {
+                            tokio::spawn(work);
+                        }
                     }
                 }
-            } else if let Some(w) = call.watch {
-                out.up.extend(frame::window_update(0, w.kept_credit()));
+                CallPhase::Watched(w) => out
+                    .up
+                    .extend(frame::window_update(StreamId::ZERO, w.kept_credit())),
+                CallPhase::Passing | CallPhase::Refused => {}
             }
         }
         Verdict::Forward
     }
 
-    /// DATA of a refused or held call (any other passes without a look).
+    /// DATA of a refused, watched or held call (any other passes without a
+    /// look).
     fn data(
         &mut self,
         from: Side,
@@ -690,21 +472,24 @@ impl State {
         let Some(call) = self.calls.get_mut(&head.stream) else {
             return Ok(Verdict::Forward);
         };
-        if call.refused {
-            // Dropped: the sender gets its flow-control credit back.
-            let credit = frame::window_update(0, head.len as u64);
-            out.to(from).extend(credit);
-            return Ok(Verdict::Swallow);
-        }
-        if let Some(w) = call.watch.as_mut() {
+        let content = |from| {
             let payload = &frame[HEADER_LEN..];
             let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
-            let content = &payload[r];
-            if from == Side::Client {
-                w.request_data(content);
-                return Ok(Verdict::Forward);
+            Ok::<_, SpliceError>(&payload[r])
+        };
+        match &mut call.phase {
+            CallPhase::Passing => Ok(Verdict::Forward),
+            CallPhase::Refused => {
+                // Dropped: the sender gets its flow-control credit back.
+                let credit = frame::window_update(StreamId::ZERO, head.len as u64);
+                out.to(from).extend(credit);
+                Ok(Verdict::Swallow)
             }
-            return Ok(match w.reply_data(head, frame, content) {
+            CallPhase::Watched(w) if from == Side::Client => {
+                w.request_data(content(from)?);
+                Ok(Verdict::Forward)
+            }
+            CallPhase::Watched(w) => Ok(match w.reply_data(head, frame, content(from)?) {
                 Step::Pass => {
                     self.relayed(head);
                     Verdict::Forward
@@ -713,79 +498,202 @@ impl State {
                     self.watch_step(head.stream, step, out);
                     Verdict::Swallow
                 }
-            });
-        }
-        let Some(held) = call.held.as_mut() else {
-            return Ok(Verdict::Forward);
-        };
-        let payload = &frame[HEADER_LEN..];
-        let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
-        let content = &payload[r];
-        Ok(match from {
-            Side::Client => match held.request_data(head, frame, content) {
-                Ok(verdict) => {
-                    if head.has(frame::END_STREAM) {
-                        self.request_end(head.stream, out);
+            }),
+            CallPhase::Held(held) if from == Side::Client => {
+                match held.request_data(head, frame, content(from)?) {
+                    Ok(verdict) => {
+                        if head.has(frame::END_STREAM) {
+                            self.request_end(head.stream, out);
+                        }
+                        Ok(verdict)
                     }
-                    verdict
+                    Err(parked) => {
+                        // Over the hold limit: the call passes through from here.
+                        out.up.extend(parked);
+                        call.phase = CallPhase::Passing;
+                        Ok(Verdict::Forward)
+                    }
                 }
-                Err(parked) => {
-                    // Over the hold limit: the call passes through from here.
-                    out.up.extend(parked);
-                    call.held = None;
-                    Verdict::Forward
-                }
-            },
-            Side::Containerd => {
-                if held.reply_data(head, content) {
-                    self.release(head.stream, out, false);
-                } else if held.reply_done() {
-                    self.try_finish(head.stream, out);
-                }
-                Verdict::Swallow
             }
-        })
+            CallPhase::Held(held) => {
+                let effect = held.reply_data(head, content(from)?);
+                self.held_effect(head.stream, effect, out);
+                Ok(Verdict::Swallow)
+            }
+        }
     }
 }
 
-/// Trailers with a gRPC error status on `stream`, ending a call whose reply
-/// headers (and maybe messages) the client has already had.
-pub(super) fn error_trailers(stream: u32, code: tonic::Code, message: &str) -> Bytes {
-    let code = (code as i32).to_string();
-    let message = grpc::encode_message(message);
-    let mut out = BytesMut::new();
-    frame::header_frames(stream, true, &mut out, |b| {
-        hpack::encode_field(b, b"grpc-status", code.as_bytes());
-        hpack::encode_field(b, b"grpc-message", message.as_bytes());
-    });
-    out.freeze()
+/// The `grpc-status` among decoded header fields.
+fn grpc_status(fields: &[(Bytes, Bytes)]) -> Option<i32> {
+    (fields.iter())
+        .find(|(n, _)| &n[..] == b"grpc-status")
+        .and_then(|(_, v)| grpc::parse_status(v))
 }
 
-/// A Trailers-Only gRPC error reply on `stream`.
-pub(super) fn error_reply(stream: u32, code: tonic::Code, message: &str) -> Bytes {
-    let code = (code as i32).to_string();
-    let message = grpc::encode_message(message);
-    let fields = [
-        (&b":status"[..], &b"200"[..]),
-        (b"content-type", b"application/grpc"),
-        (b"grpc-status", code.as_bytes()),
-        (b"grpc-message", message.as_bytes()),
-    ];
-    let mut out = BytesMut::new();
-    frame::header_frames(stream, true, &mut out, |b| {
-        for (n, v) in fields {
-            hpack::encode_field(b, n, v);
+/// What held and watched calls ask of the connection.
+impl State {
+    /// The client's END_STREAM on a held call.
+    pub(super) fn request_end(&mut self, stream: StreamId, mut out: Out<'_>) {
+        let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held_mut()) else {
+            return;
+        };
+        let effect = held.request_end(&mut out);
+        self.held_effect(stream, effect, out);
+    }
+
+    /// Acts on what a held call asked for.
+    fn held_effect(&mut self, stream: StreamId, effect: Effect, out: Out<'_>) {
+        match effect {
+            Effect::Wait => {}
+            Effect::RunBefore(mut hook, msg) => self.hooks.push(Box::pin(async move {
+                let result = hook.before(&msg).await;
+                Outcome::Before {
+                    stream,
+                    hook,
+                    result,
+                }
+            })),
+            Effect::RunAfter(hook, rq, rs) => {
+                self.hooks
+                    .detach(hook.after(rq, rs), move |r| Outcome::After {
+                        stream,
+                        result: r.unwrap_or_else(|e| {
+                            tracing::error!(error = %e, "a replication hook panicked");
+                            Err(tonic::Status::internal(format!(
+                                "imgbridge: hook failed: {e}"
+                            )))
+                        }),
+                    })
+            }
+            Effect::Release { whole } => self.release(stream, out, whole),
         }
-    });
-    out.freeze()
+    }
+
+    /// Sends a held reply on as containerd sent it. With `whole == false` the
+    /// reply is still arriving: the call is left to pass through from here.
+    fn release(&mut self, stream: StreamId, out: Out<'_>, whole: bool) {
+        let Some(call) = self.calls.get_mut(&stream) else {
+            return;
+        };
+        let Some(held) = call.take_held() else {
+            return;
+        };
+        if let Some(g) = call.guard.as_mut() {
+            g.set_status(held.status());
+        }
+        held.release(stream, out);
+        self.pings.released();
+        if whole {
+            self.calls.remove(&stream);
+        }
+    }
+
+    /// Answers a held call with `status` instead of containerd's reply.
+    fn fail(&mut self, stream: StreamId, status: tonic::Status, out: Out<'_>) {
+        let Some(mut call) = self.calls.remove(&stream) else {
+            return;
+        };
+        let Some(held) = call.take_held() else {
+            return;
+        };
+        held.fail(stream, &status, out);
+        if let Some(g) = call.guard.as_mut() {
+            g.set_status(Some(status.code() as i32));
+        }
+    }
+
+    /// A hook finished.
+    pub(super) fn outcome(&mut self, o: Outcome, mut out: Out<'_>) {
+        match o {
+            Outcome::Before {
+                stream,
+                hook,
+                result,
+            } => {
+                let Some(held) = self.calls.get_mut(&stream).and_then(|c| c.held_mut()) else {
+                    return; // the client gave up meanwhile
+                };
+                match result {
+                    Ok(()) => {
+                        let effect = held.before_passed(hook, &mut out);
+                        self.held_effect(stream, effect, out);
+                    }
+                    Err(status) => self.fail(stream, status, out),
+                }
+            }
+            Outcome::After { stream, result } => match result {
+                Ok(()) => self.release(stream, out, true),
+                Err(status) => self.fail(stream, status, out),
+            },
+            Outcome::Watch { stream } => {
+                self.watch_resume(stream, out);
+                self.pings.released();
+            }
+        }
+    }
+
+    /// Acts on a watched call's [`Step`] for a reply frame or block.
+    fn watch_step(&mut self, stream: StreamId, step: Step, out: Out<'_>) {
+        match step {
+            Step::Pass | Step::Kept => {}
+            // Linking a blob containerd has committed.
+            Step::Run(f) => self.hooks.detach(f, move |_| Outcome::Watch { stream }),
+            Step::Release => self.watch_release(stream, out),
+        }
+    }
+
+    /// A watched call's future ended.
+    fn watch_resume(&mut self, stream: StreamId, out: Out<'_>) {
+        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watched_mut()) else {
+            return; // the client gave up meanwhile
+        };
+        let step = w.resume();
+        self.watch_step(stream, step, out);
+    }
+
+    /// Sends on what a watched call's hold kept.
+    fn watch_release(&mut self, stream: StreamId, out: Out<'_>) {
+        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watched_mut()) else {
+            return; // the client gave up meanwhile
+        };
+        let r = w.release(stream);
+        if !r.frames.is_empty() {
+            out.down.push_back(r.frames);
+        }
+        if let Some(o) = &self.ctx.observer {
+            o.bytes_relayed(r.data);
+        }
+        if r.block {
+            self.record_status(stream, r.ended, r.status);
+        } else if r.ended {
+            self.end_call(stream);
+        }
+    }
+}
+
+/// The connection ended (client gone, or broken) with held calls whose
+/// request containerd has whole: it may still carry them out, so they are
+/// followed detached, as when the client resets one.
+impl Drop for State {
+    fn drop(&mut self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for (_, mut call) in self.calls.drain() {
+            if let Some(work) = call.take_held().and_then(|h| h.abandon()) {
+                rt.spawn(work);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     //! Frame-level checks with both peers played by hand.
+    use super::super::frame::MAX_CONTINUATIONS;
     use super::super::frame::{self, Kind};
     use super::super::testing::*;
-    use super::super::MAX_CONTINUATIONS;
     use super::*;
     use std::collections::VecDeque;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -841,7 +749,7 @@ mod tests {
                     "{f:?}"
                 );
             }
-            order.push((h.stream, h.kind));
+            order.push((h.stream.get(), h.kind));
         }
         let h = (Kind::Headers, Kind::Data);
         assert_eq!(
@@ -905,7 +813,7 @@ mod tests {
         let mut kinds = Vec::new();
         for _ in 0..3 {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 3);
+            assert_eq!(h.stream.get(), 3);
             if h.kind == Kind::Headers {
                 let f = dec.decode(&p).unwrap();
                 assert!(
@@ -947,17 +855,21 @@ mod tests {
                 up: &mut up,
                 down: &mut down,
             };
-            st.request_headers(*stream, false, b, out).unwrap();
+            st.request_headers(StreamId::new(*stream), false, b, out)
+                .unwrap();
             if *stream == 5 {
-                let seen = st.request_seen.get(&st.client_dec, &indexed);
+                let seen = st
+                    .headers
+                    .request_seen
+                    .get(&st.headers.client_dec, &indexed);
                 assert_eq!(seen.map(|(p, _)| &**p), Some("/t.S/Plain"), "reused");
             }
         }
         let held: Vec<u32> = (1..=9)
-            .filter(|s| st.calls.get(s).is_some_and(|c| c.held.is_some()))
+            .filter(|s| (st.calls.get(&StreamId::new(*s))).is_some_and(|c| c.held().is_some()))
             .collect();
         assert_eq!(held, [7, 9]);
-        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| *s).collect();
+        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| s.get()).collect();
         plain.sort();
         assert_eq!(plain, [1, 3, 5]);
     }
@@ -1020,7 +932,7 @@ mod tests {
             up: &mut up,
             down: &mut down,
         };
-        let r = st.request_headers(1, true, &block, out);
+        let r = st.request_headers(StreamId::new(1), true, &block, out);
         assert!(r.is_err(), "over the 4096 containerd allows: {r:?}");
 
         let mut st = State::new(st.ctx.clone());
@@ -1039,11 +951,12 @@ mod tests {
             up: &mut up,
             down: &mut down,
         };
-        st.request_headers(1, true, &block, out).unwrap();
+        st.request_headers(StreamId::new(1), true, &block, out)
+            .unwrap();
         // containerd's own blocks follow the client's SETTINGS.
         let reply = [0x3f, 0xe1, 0x3f, 0x88];
-        st.passed_headers(1, false, &reply).unwrap();
-        let r = st.passed_headers(1, false, &[0x3f, 0xe1, 0x7f, 0x88]);
+        st.passed_headers(StreamId::new(1), false, &reply).unwrap();
+        let r = st.passed_headers(StreamId::new(1), false, &[0x3f, 0xe1, 0x7f, 0x88]);
         assert!(r.is_err(), "over the 8192 the client allows: {r:?}");
     }
 }

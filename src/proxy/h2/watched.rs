@@ -24,11 +24,8 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-use super::frame::{self, Head, Kind};
-use super::held::Outcome;
+use super::frame::{self, Head, Kind, StreamId};
 use super::hpack;
-use super::streams::State;
-use super::Out;
 use crate::proxy::grpc;
 use crate::proxy::intercept::{StreamWatch, WatchFuture, WATCH_HEAD};
 
@@ -357,7 +354,7 @@ impl Watched {
 
     /// Ends the hold: the kept frames, in order, for the client, whether
     /// they ended the stream, and the last `grpc-status` among them.
-    pub(super) fn release(&mut self, stream: u32) -> Released {
+    pub(super) fn release(&mut self, stream: StreamId) -> Released {
         let kept = match std::mem::replace(&mut self.hold, Hold::Off) {
             Hold::Collecting { kept, .. } | Hold::Waiting { kept, .. } => kept,
             Hold::Off => Vec::new(),
@@ -414,46 +411,6 @@ pub(super) struct Released {
     pub(super) data: u64,
 }
 
-impl State {
-    /// Acts on a watched call's [`Step`] for a reply frame or block.
-    pub(super) fn watch_step(&mut self, stream: u32, step: Step, out: Out<'_>) {
-        match step {
-            Step::Pass | Step::Kept => {}
-            // Linking a blob containerd has committed.
-            Step::Run(f) => self.detach(f, move |_| Outcome::Watch { stream }),
-            Step::Release => self.watch_release(stream, out),
-        }
-    }
-
-    /// A watched call's future ended.
-    pub(super) fn watch_resume(&mut self, stream: u32, out: Out<'_>) {
-        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut()) else {
-            return; // the client gave up meanwhile
-        };
-        let step = w.resume();
-        self.watch_step(stream, step, out);
-    }
-
-    /// Sends on what a watched call's hold kept.
-    pub(super) fn watch_release(&mut self, stream: u32, out: Out<'_>) {
-        let Some(w) = self.calls.get_mut(&stream).and_then(|c| c.watch.as_mut()) else {
-            return; // the client gave up meanwhile
-        };
-        let r = w.release(stream);
-        if !r.frames.is_empty() {
-            out.down.push_back(r.frames);
-        }
-        if let Some(o) = &self.ctx.observer {
-            o.bytes_relayed(r.data);
-        }
-        if r.block {
-            self.record_status(stream, r.ended, r.status);
-        } else if r.ended {
-            self.end_call(stream);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -465,7 +422,7 @@ mod tests {
     use tokio::sync::Notify;
     use tokio_util::sync::CancellationToken;
 
-    use super::super::testing::{self, *};
+    use super::super::testing::*;
     use super::*;
     use crate::proxy::intercept::{CallInfo, Hook, Interceptor};
 
@@ -567,7 +524,7 @@ mod tests {
     }
 
     fn data_frame(payload: &[u8]) -> Vec<u8> {
-        testing::frame(Kind::Data, 0, 1, payload)
+        frame(Kind::Data, 0, 1, payload)
     }
 
     fn block_fields(fields: &[(&str, &str)]) -> Vec<(Bytes, Bytes)> {
@@ -611,7 +568,7 @@ mod tests {
         }
 
         fn release(&mut self, w: &mut Watched) {
-            let r = w.release(1);
+            let r = w.release(StreamId::new(1));
             let mut f = &r.frames[..];
             while !f.is_empty() {
                 let head = Head::parse(f);
@@ -878,7 +835,7 @@ mod tests {
             let release = matches!(step, Step::Release);
             assert_eq!(release, !shown, "a large reply lets go once its head is in");
             if release {
-                w.release(1);
+                w.release(StreamId::new(1));
             }
             let f = data_frame(&replies[cut..]);
             let step = w.reply_data(&Head::parse(&f), &f, &f[frame::HEADER_LEN..]);
@@ -898,9 +855,9 @@ mod tests {
         let f = data_frame(&replies[..replies.len() - 3]);
         let step = w.reply_data(&Head::parse(&f), &f, &f[frame::HEADER_LEN..]);
         assert!(matches!(step, Step::Kept));
-        let rst = testing::frame(Kind::RstStream, 0, 1, &[0, 0, 0, 2]);
+        let rst = frame(Kind::RstStream, 0, 1, &[0, 0, 0, 2]);
         assert!(matches!(w.reply_reset(&rst), Step::Release));
-        let r = w.release(1);
+        let r = w.release(StreamId::new(1));
         assert!(r.ended);
         assert_eq!(r.frames.len(), f.len() + rst.len());
     }
@@ -934,7 +891,7 @@ mod tests {
             start_intercepted(Arc::new(Watching(script.clone())), CancellationToken::new());
         let mut sent = frame::PREFACE.to_vec();
         sent.extend(request(1, "/t.S/Write"));
-        sent.extend(testing::frame(
+        sent.extend(frame(
             Kind::Data,
             frame::END_STREAM,
             1,
@@ -944,7 +901,7 @@ mod tests {
 
         let replies = messages(&[b"WROTE", b"COMMITTED sha256:x"]);
         let cut = start_of(&[b"WROTE"], 1) + 3;
-        let mut answer = testing::frame(
+        let mut answer = frame(
             Kind::Headers,
             frame::END_HEADERS,
             1,
@@ -953,7 +910,7 @@ mod tests {
         answer.extend(data_frame(&replies[..4]));
         answer.extend(data_frame(&replies[4..cut]));
         answer.extend(data_frame(&replies[cut..]));
-        answer.extend(testing::frame(
+        answer.extend(frame(
             Kind::Headers,
             frame::END_HEADERS | frame::END_STREAM,
             1,
@@ -963,19 +920,19 @@ mod tests {
 
         // A later call, answered after: its reply is the barrier.
         let mut later = request(3, "/t.S/Plain");
-        later.extend(testing::frame(Kind::Data, frame::END_STREAM, 3, &MSG));
+        later.extend(frame(Kind::Data, frame::END_STREAM, 3, &MSG));
         assert_eq!(relay(&mut client, &mut server, &later).await, later);
         server.write_all(&ok_reply(3)).await.unwrap();
         let mut first = Vec::new();
         loop {
             let (h, p) = read_frame(&mut client).await;
-            if h.stream == 3 {
+            if h.stream.get() == 3 {
                 if h.has(frame::END_STREAM) {
                     break;
                 }
                 continue;
             }
-            assert_eq!(h.stream, 1);
+            assert_eq!(h.stream.get(), 1);
             assert!(!h.has(frame::END_STREAM), "the end is held too");
             if h.kind == Kind::Data {
                 first.extend(p);
@@ -993,7 +950,7 @@ mod tests {
         let mut rest = Vec::new();
         let status = loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream, 1);
+            assert_eq!(h.stream.get(), 1);
             match h.kind {
                 Kind::Data => rest.extend(p),
                 Kind::Headers if h.has(frame::END_STREAM) => break fields(&p),
