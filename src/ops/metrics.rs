@@ -7,7 +7,7 @@
 //! on hot paths. Nothing here allocates per DATA frame.
 //!
 //! Which metrics there are, with their type, labels and help, is written
-//! once, in [`table::METRICS`] (the README's list is generated from it).
+//! once, in [`table::METRICS`] (docs/operations.md's list is generated from it).
 //! Recorded by: the proxy ([`CallObserver`]), the replicator
 //! ([`ReplicationObserver`]), the reconciler ([`PassObserver`]), the
 //! importer ([`ImportObserver`]) and the write breaker ([`BreakObserver`]).
