@@ -530,3 +530,340 @@ impl Replicator {
         manifest.config.as_ref().map(|c| c.digest.clone())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The walk without containerd: [`Walk`] driven by hand over a source
+    //! and a target held in maps, each blob judged by [`visit`] as the real
+    //! walk judges what containerd answers. The documents are real ones,
+    //! parsed by [`tree::parse`]; no containerd is faked.
+
+    use super::*;
+    use crate::labels::media_type::{DOCKER_CONFIG, DOCKER_LAYER_GZIP, DOCKER_MANIFEST};
+    use crate::labels::DISTRIBUTION_SOURCE;
+
+    const INDEX: &str = "application/vnd.oci.image.index.v1+json";
+
+    fn d(c: char) -> String {
+        format!("sha256:{}", c.to_string().repeat(64))
+    }
+
+    fn labels(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn info(kv: &[(&str, &str)]) -> Info {
+        Info {
+            size: 7,
+            labels: labels(kv),
+            ..Default::default()
+        }
+    }
+
+    fn registry() -> Registry {
+        (
+            format!("{DISTRIBUTION_SOURCE}.docker.io"),
+            "library/app".into(),
+        )
+    }
+
+    /// A manifest naming `config` and `layers`.
+    fn manifest(config: char, layers: &[char]) -> Vec<u8> {
+        let desc =
+            |m: &str, c: char| format!(r#"{{"mediaType":"{m}","digest":"{}","size":1}}"#, d(c));
+        let layers: Vec<_> = layers.iter().map(|c| desc(DOCKER_LAYER_GZIP, *c)).collect();
+        format!(
+            r#"{{"schemaVersion":2,"mediaType":"{DOCKER_MANIFEST}","config":{},"layers":[{}]}}"#,
+            desc(DOCKER_CONFIG, config),
+            layers.join(",")
+        )
+        .into_bytes()
+    }
+
+    /// An index of manifests, each with its platform (`os/arch`) if any.
+    fn index(entries: &[(char, Option<&str>)]) -> Vec<u8> {
+        let entry = |(c, p): &(char, Option<&str>)| {
+            let platform = p.map_or(String::new(), |p| {
+                let (os, arch) = p.split_once('/').unwrap();
+                format!(r#","platform":{{"os":"{os}","architecture":"{arch}"}}"#)
+            });
+            format!(
+                r#"{{"mediaType":"{DOCKER_MANIFEST}","digest":"{}","size":1{platform}}}"#,
+                d(*c)
+            )
+        };
+        let entries: Vec<_> = entries.iter().map(entry).collect();
+        format!(
+            r#"{{"schemaVersion":2,"mediaType":"{INDEX}","manifests":[{}]}}"#,
+            entries.join(",")
+        )
+        .into_bytes()
+    }
+
+    /// A namespace's content: digest → labels, and the document of a parent.
+    #[derive(Default)]
+    struct Store(HashMap<String, (Info, Option<tree::Node>)>);
+
+    impl Store {
+        fn blob(mut self, c: char) -> Self {
+            self.0.insert(d(c), (info(&[]), None));
+            self
+        }
+
+        fn doc(mut self, c: char, bytes: &[u8]) -> Self {
+            let node = tree::parse(bytes).unwrap();
+            self.0.insert(d(c), (info(&[]), Some(node)));
+            self
+        }
+    }
+
+    fn root(c: char, media_type: &str) -> Descriptor {
+        Descriptor {
+            media_type: media_type.into(),
+            digest: d(c),
+            size: 1,
+            ..Default::default()
+        }
+    }
+
+    /// What a walk of `root` did: the blobs in the order inspected, the
+    /// writes, and what it found.
+    struct Run {
+        order: Vec<String>,
+        writes: Vec<(String, Write)>,
+        found: Found,
+    }
+
+    /// Walks as [`Replicator::walk`] does, one blob at a time, every write
+    /// succeeding.
+    fn walk(root: &Descriptor, source: &Store, target: &Store) -> Run {
+        let mut w = Walk::new(root);
+        let (mut order, mut writes) = (Vec::new(), Vec::new());
+        while let Some(c) = w.next() {
+            order.push(c.digest.clone());
+            let v = match source.0.get(&c.digest) {
+                None => Visit {
+                    pending: true,
+                    ..Default::default()
+                },
+                Some((info, node)) => {
+                    let there = target.0.get(&c.digest).map(|(i, _)| i.clone());
+                    visit(info.clone(), there, node.as_ref(), Some(&registry()))
+                }
+            };
+            if let Some(write) = w.inspected(&c, v) {
+                writes.push((c.digest.clone(), write));
+                w.wrote(1);
+            }
+        }
+        Run {
+            order,
+            writes,
+            found: w.finish(),
+        }
+    }
+
+    /// Every blob of an index (manifests of every platform, configs,
+    /// layers) is inspected once, a parent before its children, even a
+    /// layer two manifests share; each one the target lacks is linked.
+    #[test]
+    fn every_blob_once_and_parents_first() {
+        let source = Store::default()
+            .doc(
+                '0',
+                &index(&[('1', Some("linux/amd64")), ('2', Some("linux/arm64"))]),
+            )
+            .doc('1', &manifest('a', &['d', 'e']))
+            .doc('2', &manifest('b', &['d', '6']))
+            .blob('a')
+            .blob('b')
+            .blob('d')
+            .blob('e')
+            .blob('6');
+        let r = walk(&root('0', INDEX), &source, &Store::default());
+        assert_eq!(r.order[0], d('0'), "the root first");
+        let mut seen = r.order.clone();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), r.order.len(), "each once: {:?}", r.order);
+        assert_eq!(r.order.len(), 8);
+        let at = |c| r.order.iter().position(|x| *x == d(c)).unwrap();
+        for (parent, child) in [('0', '1'), ('0', '2'), ('1', 'a'), ('1', 'e'), ('2', '6')] {
+            assert!(at(parent) < at(child), "{parent} before {child}");
+        }
+        assert!(
+            at('d') > at('1').min(at('2')),
+            "a shared layer after one of its parents"
+        );
+        assert_eq!(r.writes.len(), 8);
+        assert_eq!(r.found.outcome.writes, 8);
+        assert!(r
+            .writes
+            .iter()
+            .all(|(_, w)| matches!(w, Write::Link { .. })));
+        let mut configs = r.found.configs.clone();
+        configs.sort();
+        assert_eq!(configs, [d('a'), d('b')], "every manifest's config");
+        assert!(r.found.missing.is_empty());
+        assert_eq!(r.found.outcome.pending, 0);
+    }
+
+    /// A tree the target holds with the same labels costs no write: the
+    /// reconcile pass over an image in sync writes nothing.
+    #[test]
+    fn a_tree_in_sync_writes_nothing() {
+        let m = manifest('a', &['e']);
+        let source = Store::default().doc('8', &m).blob('a').blob('e');
+        let first = walk(&root('8', DOCKER_MANIFEST), &source, &Store::default());
+        let mut target = Store::default();
+        for (digest, w) in first.writes {
+            let Write::Link { labels, .. } = w else {
+                panic!("{digest} relabelled in an empty target")
+            };
+            let node = source.0[&digest].1.clone();
+            let info = Info {
+                labels,
+                ..info(&[])
+            };
+            target.0.insert(digest, (info, node));
+        }
+        let again = walk(&root('8', DOCKER_MANIFEST), &source, &target);
+        assert_eq!(again.order.len(), 3);
+        assert!(again.writes.is_empty(), "{:?}", again.writes);
+        assert_eq!(again.found.outcome, Outcome::default());
+    }
+
+    /// Blobs the source lacks are pending, not an error, and each says
+    /// whether a pod on this node could need it: everything under a plain
+    /// manifest; of an index, what lies under the entry CRI resolves here
+    /// (also when another platform's entry reaches it first) and under
+    /// entries without a platform, but not what only other platforms'
+    /// entries or an attestation name.
+    #[test]
+    fn missing_blobs_are_pending_with_whether_this_node_needs_them() {
+        let Some(arch) = super::super::platform::go_arch() else {
+            return;
+        };
+        let other = if arch == "s390x" { "ppc64le" } else { "s390x" };
+        let (here, there) = (format!("linux/{arch}"), format!("linux/{other}"));
+        let source = Store::default()
+            .doc(
+                '0',
+                &index(&[
+                    ('2', Some(&there)),
+                    ('1', Some(&here)),
+                    ('3', Some(&there)),
+                    ('4', Some("unknown/unknown")),
+                    ('5', None),
+                ]),
+            )
+            .doc('1', &manifest('a', &['d', 'e']))
+            .doc('2', &manifest('b', &['d', '6']))
+            .doc('4', &manifest('c', &['7']))
+            .blob('a')
+            .blob('b')
+            .blob('c');
+        let r = walk(&root('0', INDEX), &source, &Store::default());
+        let mut missing: Vec<_> = r
+            .found
+            .missing
+            .iter()
+            .map(|(c, n)| (c.digest.clone(), *n))
+            .collect();
+        missing.sort();
+        use Need::*;
+        let mut want = [
+            (d('3'), OtherPlatform), // another platform's manifest
+            (d('5'), Node),          // no platform: CRI may resolve it
+            (d('d'), Node),          // under this node's entry and another's
+            (d('e'), Node),
+            (d('6'), OtherPlatform),
+            (d('7'), OtherPlatform), // the attestation's
+        ];
+        want.sort();
+        assert_eq!(missing, want);
+        assert_eq!(r.found.outcome.pending, 6);
+        assert_eq!(r.found.outcome.writes, 7, "the blobs the source holds");
+    }
+
+    /// Of a plain manifest, every blob is needed here.
+    #[test]
+    fn a_missing_blob_of_a_manifest_is_needed_here() {
+        let source = Store::default()
+            .doc('8', &manifest('a', &['e', '6']))
+            .blob('e');
+        let r = walk(&root('8', DOCKER_MANIFEST), &source, &Store::default());
+        let mut missing: Vec<_> = r
+            .found
+            .missing
+            .iter()
+            .map(|(c, n)| (c.digest.clone(), *n))
+            .collect();
+        missing.sort();
+        let mut want = [(d('a'), Need::Node), (d('6'), Need::Node)];
+        want.sort();
+        assert_eq!(missing, want);
+        assert_eq!(r.found.configs, [d('a')], "a config named is a config seen");
+    }
+
+    /// A blob the target lacks is linked with the source's labels, without
+    /// `gc.expire`, and with the registry's distribution-source label.
+    #[test]
+    fn a_link_carries_the_source_labels_but_gc_expire() {
+        let src = info(&[
+            (EXPIRE, "2026-01-01T00:00:00Z"),
+            ("containerd.io/uncompressed", "sha256:u"),
+        ]);
+        let v = visit(src, None, None, Some(&registry()));
+        let want = labels(&[
+            ("containerd.io/uncompressed", "sha256:u"),
+            (&registry().0, "library/app"),
+        ]);
+        assert_eq!(
+            v.write,
+            Some(Write::Link {
+                size: 7,
+                labels: want
+            })
+        );
+        assert!(!v.pending && v.children.is_empty() && v.config.is_none());
+    }
+
+    /// A parent whose source blob has no `gc.ref` labels (its client did
+    /// not label it) is linked with its children's, so the target's GC
+    /// keeps them; one that has them keeps its own.
+    #[test]
+    fn an_unlabelled_parent_gets_its_children_gc_labels() {
+        let node = tree::parse(&manifest('a', &['e'])).unwrap();
+        let v = visit(info(&[]), None, Some(&node), None);
+        let Some(Write::Link { labels: l, .. }) = v.write else {
+            panic!("not linked")
+        };
+        assert_eq!(l, node.gc_labels());
+        assert_eq!(v.config, Some(d('a')));
+        assert_eq!(v.children.len(), 2);
+        let own = info(&[(&format!("{GC_REF_CONTENT}.config"), &d('a'))]);
+        let v = visit(own, None, Some(&node), None);
+        let Some(Write::Link { labels: l, .. }) = v.write else {
+            panic!("not linked")
+        };
+        assert!(!l.contains_key(&format!("{GC_REF_CONTENT}.l.0")), "{l:?}");
+    }
+
+    /// A blob the target has is relabelled with only what differs; a
+    /// distribution-source label there (a pull's, another replica's) is
+    /// kept, never replaced ([`super::super::distribution`]).
+    #[test]
+    fn a_blob_there_is_relabelled_with_only_what_differs() {
+        let key = registry().0;
+        let src = info(&[("a", "1"), ("b", "2")]);
+        let there = info(&[("a", "1"), ("b", "old"), (&key, "team/other")]);
+        let v = visit(src.clone(), Some(there), None, Some(&registry()));
+        assert_eq!(v.write, Some(Write::Relabel(labels(&[("b", "2")]))));
+        let there = info(&[("a", "1"), ("b", "2"), (&key, "team/other")]);
+        let v = visit(src, Some(there), None, Some(&registry()));
+        assert_eq!(v.write, None);
+    }
+}
