@@ -467,3 +467,274 @@ async fn id_record(
         .await?;
     Ok(if mine { *writes } else { 0 })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::labels::DISTRIBUTION_SOURCE;
+    use crate::replicate::protect::Protections;
+
+    fn d(c: char) -> String {
+        format!("sha256:{}", c.to_string().repeat(64))
+    }
+
+    fn root(c: char) -> Descriptor {
+        Descriptor {
+            media_type: "application/vnd.oci.image.index.v1+json".into(),
+            digest: d(c),
+            size: 1,
+            ..Default::default()
+        }
+    }
+
+    fn image(name: &str, at: Option<char>, labels: &[(&str, &str)]) -> Image {
+        Image {
+            name: name.into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            target: at.map(root),
+            ..Default::default()
+        }
+    }
+
+    /// The label set of a record, sorted, to compare.
+    fn labels(i: &Image) -> Vec<(&str, &str)> {
+        let mut l: Vec<_> = i
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        l.sort();
+        l
+    }
+
+    const APP: &str = "docker.io/library/app:dev";
+
+    /// The replica is named as CRI normalises the name (kubelet never asks
+    /// for `app:dev`), the name parsed once with its registry; image-id
+    /// records and names that are no reference are not replicated.
+    #[test]
+    fn the_replica_is_named_as_cri_resolves_it() {
+        let r = replica("app:dev").unwrap();
+        assert_eq!(r.image, "app:dev");
+        assert_eq!(r.name, APP);
+        assert_eq!(
+            r.registry,
+            (
+                format!("{DISTRIBUTION_SOURCE}.docker.io"),
+                "library/app".to_string()
+            )
+        );
+        let pinned = format!("127.0.0.1:5000/team/app:1@{}", d('a'));
+        let r = replica(&pinned).unwrap();
+        assert_eq!(r.name, format!("127.0.0.1:5000/team/app@{}", d('a')));
+        assert_eq!(replica(&d('c')), Err(Skip::ImageId));
+        assert!(matches!(
+            replica("Not A Name"),
+            Err(Skip::Invalid { image, .. }) if image == "Not A Name"
+        ));
+        assert!(Skip::ImageId.outcome("buildkit").skipped);
+    }
+
+    /// A `name@sha256:…` record goes next to a tag with `digest_refs`,
+    /// named after the tree it points at; a name that is a digest has none.
+    #[test]
+    fn a_digest_ref_goes_next_to_a_tag() {
+        let tag = Reference::parse("app:dev").unwrap();
+        assert_eq!(
+            digest_ref(&tag, &d('a'), true),
+            Some(format!("docker.io/library/app@{}", d('a')))
+        );
+        assert_eq!(digest_ref(&tag, &d('a'), false), None);
+        let by_digest = Reference::parse(&format!("app@{}", d('b'))).unwrap();
+        assert_eq!(digest_ref(&by_digest, &d('a'), true), None);
+    }
+
+    /// A new record: the source's labels but `gc.expire` and CRI's own,
+    /// `io.imgbridge.source`, the pin with `pin`, CRI's mark with
+    /// `managed`; named as given, pointing at the source's root.
+    #[test]
+    fn a_new_record_carries_source_pin_and_mark() {
+        let src = image(
+            "app:dev",
+            Some('a'),
+            &[
+                ("org.opencontainers.image.title", "app"),
+                (EXPIRE, "2026-01-01T00:00:00Z"),
+                (CRI_MANAGED, CRI_MANAGED_VALUE),
+                (PINNED, PINNED_VALUE),
+            ],
+        );
+        let r = record("buildkit", APP, &src, &root('a'), None, false, false).unwrap();
+        assert_eq!(r.name, APP);
+        assert_eq!(r.target, Some(root('a')));
+        assert_eq!(
+            labels(&r),
+            [
+                (SOURCE, "buildkit"),
+                ("org.opencontainers.image.title", "app")
+            ]
+        );
+        let r = record("buildkit", APP, &src, &root('a'), None, true, true).unwrap();
+        assert_eq!(r.labels[PINNED], PINNED_VALUE);
+        assert_eq!(r.labels[CRI_MANAGED], CRI_MANAGED_VALUE);
+    }
+
+    /// Of a record there, what others own stays: the importer's label, a
+    /// pin the importer or someone else set. A pin imgbridge set goes when
+    /// `pin` is off.
+    #[test]
+    fn an_existing_record_keeps_what_others_own() {
+        let src = image("app:dev", Some('b'), &[]);
+        let rec = |existing: &Image, pin| {
+            record(
+                "buildkit",
+                APP,
+                &src,
+                &root('b'),
+                Some(existing),
+                pin,
+                false,
+            )
+            .unwrap()
+        };
+        let imported = image(
+            APP,
+            Some('a'),
+            &[(IMPORT, "app.tar"), (PINNED, PINNED_VALUE)],
+        );
+        let r = rec(&imported, false);
+        assert_eq!(r.labels[IMPORT], "app.tar");
+        assert_eq!(r.labels[PINNED], PINNED_VALUE);
+        let operator = image(APP, Some('a'), &[(PINNED, PINNED_VALUE)]);
+        assert_eq!(rec(&operator, false).labels[PINNED], PINNED_VALUE);
+        let ours = image(
+            APP,
+            Some('a'),
+            &[(SOURCE, "buildkit"), (PINNED, PINNED_VALUE)],
+        );
+        assert!(!rec(&ours, false).labels.contains_key(PINNED));
+        assert_eq!(rec(&ours, true).labels[PINNED], PINNED_VALUE);
+    }
+
+    /// CRI's mark stays while the record points at the same tree (CRI set
+    /// it, and has the id record), and goes with a changed digest: unless
+    /// the id is certain (`managed`), CRI then does its own part.
+    #[test]
+    fn cri_s_mark_is_cleared_by_a_changed_digest_only() {
+        let src = image("app:dev", Some('a'), &[]);
+        let marked = |at| {
+            image(
+                APP,
+                Some(at),
+                &[(SOURCE, "buildkit"), (CRI_MANAGED, CRI_MANAGED_VALUE)],
+            )
+        };
+        // Same tree: the mark kept, so the record is as it should be.
+        assert_eq!(
+            record(
+                "buildkit",
+                APP,
+                &src,
+                &root('a'),
+                Some(&marked('a')),
+                false,
+                false
+            ),
+            None
+        );
+        let moved = record(
+            "buildkit",
+            APP,
+            &src,
+            &root('a'),
+            Some(&marked('b')),
+            false,
+            false,
+        );
+        assert!(!moved.unwrap().labels.contains_key(CRI_MANAGED));
+        let certain = record(
+            "buildkit",
+            APP,
+            &src,
+            &root('a'),
+            Some(&marked('b')),
+            false,
+            true,
+        );
+        assert_eq!(certain.unwrap().labels[CRI_MANAGED], CRI_MANAGED_VALUE);
+    }
+
+    /// A record already as it should be is not written again; any
+    /// difference (labels, the descriptor) is.
+    #[test]
+    fn a_record_in_sync_is_not_written() {
+        let src = image("app:dev", Some('a'), &[("x", "1")]);
+        let want = record("buildkit", APP, &src, &root('a'), None, true, false).unwrap();
+        let again = record("buildkit", APP, &src, &root('a'), Some(&want), true, false);
+        assert_eq!(again, None);
+        let mut stale = want.clone();
+        stale.labels.insert("x".into(), "0".into());
+        assert!(record("buildkit", APP, &src, &root('a'), Some(&stale), true, false).is_some());
+        let mut resized = want;
+        resized.target.as_mut().unwrap().size = 2;
+        assert!(record(
+            "buildkit",
+            APP,
+            &src,
+            &root('a'),
+            Some(&resized),
+            true,
+            false
+        )
+        .is_some());
+    }
+
+    /// A protected name ([`protect`]) is refused unless the target already
+    /// holds the source's tree; `replication.overwrite` lifts it.
+    #[test]
+    fn protected_names_are_refused_unless_already_in_sync() {
+        let p = Protections::new(&["registry.k8s.io/**".to_string()], &[]);
+        p.set_sandbox(Some("registry.k8s.io/pause:3.10"));
+        let pause = "registry.k8s.io/pause:3.10";
+        let held = image(pause, Some('a'), &[]);
+        let by_name = p.by_name(true, pause);
+        assert_eq!(by_name, Some(Protection::Sandbox));
+        assert_eq!(
+            refusal(by_name.clone(), Some(&held), &root('b')),
+            Refusal::Refused(Protection::Sandbox)
+        );
+        assert_eq!(
+            refusal(by_name.clone(), Some(&held), &root('a')),
+            Refusal::InSync
+        );
+        assert_eq!(
+            refusal(by_name, None, &root('a')),
+            Refusal::Refused(Protection::Sandbox)
+        );
+        let glob = p.by_name(false, "registry.k8s.io/coredns:1");
+        assert!(matches!(
+            refusal(glob, None, &root('a')),
+            Refusal::Refused(Protection::Glob(_))
+        ));
+        let foreign = image(APP, Some('a'), &[(PINNED, PINNED_VALUE)]);
+        let by_record = p.by_record(APP, Some(&foreign));
+        assert_eq!(
+            refusal(by_record, Some(&foreign), &root('b')),
+            Refusal::Refused(Protection::ForeignPin)
+        );
+        let ours = image(
+            APP,
+            Some('a'),
+            &[(PINNED, PINNED_VALUE), (SOURCE, "buildkit")],
+        );
+        assert_eq!(
+            refusal(p.by_record(APP, Some(&ours)), Some(&ours), &root('b')),
+            Refusal::Clear
+        );
+        let lifted = Protections::new(&[], &[APP.to_string()]);
+        assert_eq!(lifted.by_record(APP, Some(&foreign)), None);
+    }
+}
