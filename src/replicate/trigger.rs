@@ -9,11 +9,41 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{span, Error, Replicator};
+use super::{span, Error, Outcome, Replicator};
 use crate::config::OnFailure;
 use crate::containerd::{self as ctrd, Descriptor};
 use crate::labels::CRI_NAMESPACE;
 use crate::reference::Reference;
+
+/// What the client of a held write hears once its replication ended.
+#[derive(Debug)]
+enum Answer {
+    Ok,
+    /// OK, and the replication is tried again in the background.
+    RetryLater(Error),
+    Fail(tonic::Status),
+}
+
+/// The answer `on_failure` gives a write of `name` into `source` whose
+/// replication ended with `res`. The write itself was carried out: an
+/// error says so. A refusal ([`Error::Protected`]) is never retried:
+/// trying again changes nothing until the operator does.
+fn answer(on_failure: OnFailure, source: &str, name: &str, res: Result<Outcome, Error>) -> Answer {
+    match (res, on_failure) {
+        (Ok(_), _) => Answer::Ok,
+        (Err(e), OnFailure::Fail) if e.is_protected() => {
+            Answer::Fail(tonic::Status::failed_precondition(format!(
+                "imgbridge: image {name} was stored in namespace {source} (left there as written), but {e}"
+            )))
+        }
+        // Logged by the replication.
+        (Err(e), OnFailure::Warn) if e.is_protected() => Answer::Ok,
+        (Err(e), OnFailure::Fail) => Answer::Fail(tonic::Status::internal(format!(
+            "imgbridge: image {name} was stored in namespace {source} (kept), but {e}"
+        ))),
+        (Err(e), OnFailure::Warn) => Answer::RetryLater(e),
+    }
+}
 
 impl Replicator {
     /// Something wrote into `source` server-side (a Transfer pull): link
@@ -47,25 +77,14 @@ impl Replicator {
             })
         });
         span.finish(&res);
-        match res {
-            Ok(_) => Ok(()),
-            Err(e) if e.is_protected() => match self.s.on_failure {
-                OnFailure::Fail => Err(tonic::Status::failed_precondition(format!(
-                    "imgbridge: image {name} was stored in namespace {source} (left there as written), but {e}"
-                ))),
-                // Logged by the replication; retrying changes nothing.
-                OnFailure::Warn => Ok(()),
-            },
-            Err(e) => match self.s.on_failure {
-                OnFailure::Fail => Err(tonic::Status::internal(format!(
-                    "imgbridge: image {name} was stored in namespace {source} (kept), but {e}"
-                ))),
-                OnFailure::Warn => {
-                    tracing::warn!(image = name, source, error = %e, "replication failed; replying OK (on_failure = warn) and retrying in the background");
-                    self.retry_later(source, name);
-                    Ok(())
-                }
-            },
+        match answer(self.s.on_failure, source, name, res) {
+            Answer::Ok => Ok(()),
+            Answer::Fail(status) => Err(status),
+            Answer::RetryLater(e) => {
+                tracing::warn!(image = name, source, error = %e, "replication failed; replying OK (on_failure = warn) and retrying in the background");
+                self.retry_later(source, name);
+                Ok(())
+            }
         }
     }
 
@@ -183,5 +202,74 @@ impl Replicator {
             }
             tracing::error!(image = %n, source = %src, "gave up retrying replication; run `imgbridge sync` once the cause is fixed");
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replicate::protect::Protection;
+
+    fn protected() -> Error {
+        Error::Protected {
+            image: "pause:3.10".into(),
+            source_ns: "buildkit".into(),
+            target: CRI_NAMESPACE.into(),
+            replica: "docker.io/library/pause:3.10".into(),
+            protection: Protection::Sandbox,
+        }
+    }
+
+    fn failed() -> Error {
+        Error::Timeout {
+            image: "app:dev".into(),
+            target: CRI_NAMESPACE.into(),
+            after: Duration::from_secs(30),
+        }
+    }
+
+    /// `on_failure = fail`: the client hears the error, a refusal as a
+    /// failed precondition, a failure as internal, each saying the write
+    /// itself was kept. `warn`: OK, a failure retried in the background, a
+    /// refusal not (it would be refused again).
+    #[test]
+    fn on_failure_decides_what_the_client_hears() {
+        for policy in [OnFailure::Fail, OnFailure::Warn] {
+            let ok = Ok(Outcome::default());
+            assert!(matches!(
+                answer(policy, "buildkit", "app:dev", ok),
+                Answer::Ok
+            ));
+        }
+        let Answer::Fail(s) = answer(OnFailure::Fail, "buildkit", "pause:3.10", Err(protected()))
+        else {
+            panic!("a refusal under fail is an error")
+        };
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            s.message().contains("left there as written"),
+            "{}",
+            s.message()
+        );
+        assert!(
+            s.message().contains("replication.overwrite"),
+            "{}",
+            s.message()
+        );
+        let Answer::Fail(s) = answer(OnFailure::Fail, "buildkit", "app:dev", Err(failed())) else {
+            panic!("a failure under fail is an error")
+        };
+        assert_eq!(s.code(), tonic::Code::Internal);
+        assert!(s
+            .message()
+            .starts_with("imgbridge: image app:dev was stored in namespace buildkit (kept), but"));
+        assert!(matches!(
+            answer(OnFailure::Warn, "buildkit", "pause:3.10", Err(protected())),
+            Answer::Ok
+        ));
+        assert!(matches!(
+            answer(OnFailure::Warn, "buildkit", "app:dev", Err(failed())),
+            Answer::RetryLater(Error::Timeout { .. })
+        ));
     }
 }
