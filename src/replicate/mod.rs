@@ -44,7 +44,7 @@ use crate::config::{self, DeletePolicy, OnFailure};
 use crate::containerd::{self as ctrd, Containerd, Descriptor};
 use crate::labels::CRI_NAMESPACE;
 use observe::{Attempt, ReplicationObserver};
-use record::{Replica, Skip};
+use record::{Planned, Replica, Skip};
 
 /// Reset writes followed at once: each costs one Images.Get per 250 ms
 /// for up to 3 s.
@@ -347,8 +347,9 @@ impl Replicator {
         let _guard = self.locks.lock(format!("{target}\0{}", replica.name)).await;
         let err = replica.err(source, target);
         let mut clock = Clock::start();
-        let Some(mut plan) = self.plan(source, target, replica, hint).await? else {
-            return Ok(Outcome::default());
+        let mut plan = match self.plan(source, target, replica, hint).await? {
+            Planned::Write(plan) => plan,
+            Planned::Done(outcome) => return Ok(outcome),
         };
         let (tree, mut outcome) = self.apply(source, target, &mut plan).await.map_err(&err)?;
         clock.walked();

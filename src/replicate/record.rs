@@ -191,6 +191,15 @@ pub(super) fn record(
     })
 }
 
+/// What the plan decided.
+pub(super) enum Planned<'a> {
+    /// Go on to write, with what the plan found (boxed: it is most of the
+    /// size).
+    Write(Box<Plan<'a>>),
+    /// Nothing to write: the replication ends with this outcome.
+    Done(Outcome),
+}
+
 /// What the plan found, for the phases after it.
 pub(super) struct Plan<'a> {
     pub replica: &'a Replica,
@@ -208,8 +217,7 @@ pub(super) struct Plan<'a> {
 
 impl Replicator {
     /// The plan: the source's record as it is now, the target's, and
-    /// whether the name may be written there; `None` when there is nothing
-    /// to do. The tree the reply named (`hint`) is walked meanwhile (almost
+    /// whether the name may be written there. The tree the reply named (`hint`) is walked meanwhile (almost
     /// always the record's; if not, that walk is not used): all reads but
     /// the links, and the caller's lock keeps our own writers out. The walk
     /// writes only once the target's record is known not to be protected
@@ -220,7 +228,7 @@ impl Replicator {
         target: &str,
         replica: &'a Replica,
         hint: Option<&'a Descriptor>,
-    ) -> Result<Option<Plan<'a>>, Error> {
+    ) -> Result<Planned<'a>, Error> {
         let by_name = self.protection_by_name(target, &replica.name).await;
         let (verdict, gate) = protect::Gate::pending();
         let hint = hint.filter(|_| by_name.is_none());
@@ -249,7 +257,7 @@ impl Replicator {
                 source,
                 "source image gone before replication; nothing to do"
             );
-            return Ok(None);
+            return Ok(Planned::Done(Outcome::default()));
         };
         let existing = existing.map_err(&err)?;
         let root = image.target.clone().ok_or_else(|| Error::NoTarget {
@@ -260,7 +268,7 @@ impl Replicator {
             by_name.or_else(|| self.protect.by_record(&replica.name, existing.as_ref()));
         match refusal(protection, existing.as_ref(), &root) {
             Refusal::Clear => {}
-            Refusal::InSync => return Ok(None),
+            Refusal::InSync => return Ok(Planned::Done(Outcome::default())),
             Refusal::Refused(protection) => {
                 return Err(Error::Protected {
                     image: replica.image.clone(),
@@ -272,14 +280,14 @@ impl Replicator {
             }
         }
         let digest_ref = digest_ref(&replica.reference, &root.digest, self.s.digest_refs);
-        Ok(Some(Plan {
+        Ok(Planned::Write(Box::new(Plan {
             replica,
             image,
             root,
             existing,
             digest_ref,
             early,
-        }))
+        })))
     }
 
     /// Why `name` may not be replaced in `target`, from the name alone;
