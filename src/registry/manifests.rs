@@ -304,7 +304,7 @@ impl Registry {
                     .map_err(|e| match e.code() {
                         Some(tonic::Code::FailedPrecondition) => Error::new(
                             Code::DigestInvalid,
-                            format!("containerd refused the manifest as {digest}: {e}"),
+                            super::upload::digest_refused(digest, &e),
                         ),
                         _ => Error::containerd(e),
                     })?;

@@ -43,6 +43,16 @@ fn location(name: &str, id: &str) -> String {
     format!("/v2/{name}/blobs/uploads/{id}")
 }
 
+/// Why containerd refused to commit as `d`. containerd before 2.3 hashes
+/// every ingest with sha256 only, so it refuses any sha512 digest.
+pub fn digest_refused(d: &Digest, e: &crate::containerd::Error) -> String {
+    if d.algorithm() != "sha256" && e.to_string().contains("unexpected commit digest sha256:") {
+        format!("{d}: this containerd verifies only sha256 digests (sha512 needs containerd 2.3 or later); push with sha256")
+    } else {
+        format!("the uploaded bytes are not {d}: {e}")
+    }
+}
+
 /// A chunk must start where the upload stands (`Content-Range: a-b`);
 /// else 416 with the current range, the session unchanged.
 fn check_range(req: &Request<Incoming>, offset: u64, name: &str, id: &str) -> Result<()> {
@@ -288,10 +298,9 @@ impl Registry {
             .commit_written(d.as_str(), &labels)
             .await
             .map_err(|e| match e.code() {
-                Some(tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument) => Error::new(
-                    Code::DigestInvalid,
-                    format!("the uploaded bytes are not {d}: {e}"),
-                ),
+                Some(tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument) => {
+                    Error::new(Code::DigestInvalid, digest_refused(d, &e))
+                }
                 _ => Error::containerd(e),
             })
     }
