@@ -66,6 +66,16 @@ fn start(extra: &str) -> Setup {
 }
 
 impl Setup {
+    /// The sum of the samples of metric `name` whose labels include every
+    /// one of `labels` (`route="manifest"`), 0 if none.
+    fn metric_with(&self, name: &str, labels: &[&str]) -> f64 {
+        let text = http_get(&self.metrics, "/metrics").unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// The value of metric `name` (a counter's `_total` line), 0 if absent.
     fn metric(&self, name: &str) -> f64 {
         let text = http_get(&self.metrics, "/metrics").unwrap_or_default();
@@ -317,7 +327,50 @@ async fn skopeo_push_runs_at_once() {
     // registry's namespace and the replica in k8s.io.
     let last = format!("{}/reg-skopeo:{}", s.addr, rounds() - 1);
     assert!(get_image(s.c.socket(), SRC, &last).await.is_some());
-    assert!(get_image(s.c.socket(), K8S, &last).await.is_some());
+    let replica = get_image(s.c.socket(), K8S, &last).await.expect("replica");
+    // imagePullPolicy: Always makes kubelet call PullImage: containerd
+    // pulls the name from the endpoint itself (plain http on loopback, as
+    // containerd treats localhost) and gets the same image.
+    let before = s.metric_with(
+        "imgbridge_registry_requests_total",
+        &["route=\"manifest\"", "status=\"200\""],
+    );
+    let pulled = cri_image_client(s.c.socket())
+        .await
+        .pull_image(k8s_cri::v1::PullImageRequest {
+            image: Some(k8s_cri::v1::ImageSpec {
+                image: last.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "CRI PullImage of {last} from the endpoint: {e}\n{}",
+                s.p.log_tail()
+            )
+        })
+        .into_inner()
+        .image_ref;
+    let status = cri_image_status(s.c.socket(), &last)
+        .await
+        .expect("pulled image");
+    assert_eq!(pulled, status.id);
+    assert_eq!(
+        get_image(s.c.socket(), K8S, &last)
+            .await
+            .and_then(|i| i.target),
+        replica.target,
+        "the pull resolved the same manifest"
+    );
+    assert!(
+        s.metric_with(
+            "imgbridge_registry_requests_total",
+            &["route=\"manifest\"", "status=\"200\""]
+        ) > before,
+        "containerd's pull did not come to the endpoint"
+    );
 }
 
 /// A rebuilt image with one changed layer uploads only that layer (and
