@@ -187,6 +187,9 @@ pub struct Registry {
     pub upload_expiry: Duration,
     /// Upload sessions open at once; more are refused with 429.
     pub max_uploads: usize,
+    /// Host names (besides `localhost` and loopback IPs) clients may push
+    /// to: the host part of a pushed image's name.
+    pub hosts: Vec<String>,
 }
 
 impl Default for Registry {
@@ -198,6 +201,7 @@ impl Default for Registry {
             max_blob_bytes: 0,
             upload_expiry: Duration::from_secs(3600),
             max_uploads: 1024,
+            hosts: Vec::new(),
         }
     }
 }
@@ -421,6 +425,16 @@ impl Config {
                 "registry.max_manifest_bytes {}: expected 1 to {} (manifests are read whole)",
                 g.max_manifest_bytes,
                 crate::containerd::MAX_MESSAGE
+            ));
+        }
+        if let Some(h) = g.hosts.iter().find(|h| {
+            h.is_empty()
+                || !h
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        }) {
+            return bad(format!(
+                "registry.hosts entry {h:?}: expected a host name without port (e.g. \"registry.local\")"
             ));
         }
         if g.max_uploads == 0 {

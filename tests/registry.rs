@@ -242,7 +242,10 @@ impl Reply {
 fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
     let mut s = TcpStream::connect(addr).expect("connect to the registry endpoint");
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: {addr}\r\n"));
+    }
     if !headers
         .iter()
         .any(|(k, _)| k.eq_ignore_ascii_case("content-length"))
@@ -669,6 +672,36 @@ async fn hostile_input_gets_oci_errors_and_leaves_nothing() {
         .is_none());
     let r = http(a, "GET", "/v2/hostile/manifests/v1", &[], b"");
     assert_eq!((r.status, r.code().as_str()), (404, "MANIFEST_UNKNOWN"));
+    // A push addressed to another host would name its image there: refused.
+    let config = push_blob(a, "hostile", b"{}");
+    let m = serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config, "size": 2},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": 10}]
+    })
+    .to_string();
+    let r = http(
+        a,
+        "PUT",
+        "/v2/library/app/manifests/latest",
+        &[
+            ("Host", "registry.example.invalid"),
+            ("Content-Type", OCI_MANIFEST),
+        ],
+        m.as_bytes(),
+    );
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (403, "DENIED"),
+        "{}",
+        r.text()
+    );
+    let c = imgbridge::containerd::Containerd::new(s.c.socket());
+    let spoofed = c
+        .list_images(SRC, vec!["name~=\"example.invalid\"".into()])
+        .await
+        .unwrap();
+    assert!(spoofed.is_empty(), "{spoofed:?}");
     // A truncated upload (the client goes away mid-body) is aborted.
     {
         let mut c = TcpStream::connect(a).unwrap();
@@ -676,7 +709,6 @@ async fn hostile_input_gets_oci_errors_and_leaves_nothing() {
         c.write_all(&[b'x'; 5000]).unwrap();
     }
     // Nothing half-written: no ingest left open in the namespace.
-    let c = imgbridge::containerd::Containerd::new(s.c.socket());
     let left = poll(Duration::from_secs(10), || {
         let statuses = block_on(c.content().list_statuses(imgbridge::containerd::request(
             SRC,

@@ -152,7 +152,7 @@ impl Registry {
         req: Request<Incoming>,
     ) -> Result<Response<Body>> {
         let reference = Reference::parse(r)?;
-        let host = self.host(&req);
+        let host = self.push_host(&req)?;
         let too_big = || {
             Error::new(
                 Code::ManifestInvalid,

@@ -68,6 +68,8 @@ pub struct Settings {
     pub max_blob: u64,
     pub upload_expiry: Duration,
     pub max_uploads: usize,
+    /// Host names besides localhost and loopback IPs a push may address.
+    pub hosts: Vec<String>,
 }
 
 impl Settings {
@@ -79,6 +81,7 @@ impl Settings {
             max_blob: r.max_blob_bytes,
             upload_expiry: r.upload_expiry,
             max_uploads: r.max_uploads,
+            hosts: r.hosts.clone(),
         }
     }
 }
@@ -240,24 +243,39 @@ impl Registry {
     }
 
     /// `host[:port]` the client addressed, as image records are named
-    /// (`localhost:5000/app:dev`): the `Host` header when it is a plain
-    /// host and port, else the listening address.
-    fn host(&self, req: &Request<Incoming>) -> String {
+    /// (`localhost:5000/app:dev`), if it is one of the endpoint's own
+    /// names ([`own_host`]); else `None`.
+    fn addressed(&self, req: &Request<Incoming>) -> Option<String> {
         let h = req
             .headers()
             .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        let ok = !h.is_empty()
-            && h.len() <= 255
-            && h.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b))
-            && !h.starts_with(['.', '-', ':']);
-        if ok {
-            h.to_ascii_lowercase()
-        } else {
-            self.local.clone()
-        }
+            .and_then(|v| v.to_str().ok())?
+            .to_ascii_lowercase();
+        own_host(&h, &self.s.hosts).then_some(h)
+    }
+
+    /// The host records are read under: the one addressed, else the
+    /// listening address.
+    fn host(&self, req: &Request<Incoming>) -> String {
+        self.addressed(req).unwrap_or_else(|| self.local.clone())
+    }
+
+    /// The host a pushed record is named with. A client can put any
+    /// `Host` header on a request: were it taken as it comes, a push could
+    /// take the name of an image pods run from another registry and
+    /// replace it. Only the endpoint's own names are accepted.
+    fn push_host(&self, req: &Request<Incoming>) -> errors::Result<String> {
+        self.addressed(req).ok_or_else(|| {
+            let h = req
+                .headers()
+                .get(header::HOST)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            Error::new(
+                Code::Denied,
+                format!("pushes must address this endpoint as localhost, a loopback address or one of registry.hosts, not {h:?}: the host becomes part of the image name"),
+            )
+        })
     }
 
     /// Drops idle upload sessions and releases leases past their time.
@@ -272,6 +290,39 @@ impl Registry {
         let expired = self.held.expired();
         session::release(&self.c, self.ns(), expired).await;
     }
+}
+
+/// Whether `h` (`host[:port]`) names this endpoint: `localhost`, a
+/// loopback IP literal, or one of `extra` (`registry.hosts`), with any
+/// port.
+pub fn own_host(h: &str, extra: &[String]) -> bool {
+    if h.is_empty() || h.len() > 255 {
+        return false;
+    }
+    let name = match h.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']') {
+            Some((ip, port))
+                if port.is_empty() || port.strip_prefix(':').is_some_and(valid_port) =>
+            {
+                ip
+            }
+            _ => return false,
+        },
+        None => match h.rsplit_once(':') {
+            Some((n, port)) if valid_port(port) => n,
+            Some(_) => return false,
+            None => h,
+        },
+    };
+    name == "localhost"
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+        || extra.iter().any(|x| x.eq_ignore_ascii_case(name))
+}
+
+fn valid_port(p: &str) -> bool {
+    !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
 }
 
 impl Route {
@@ -390,6 +441,38 @@ impl Registry {
             let lease = s.lease.clone();
             drop(s);
             session::release(&self.c, self.ns(), vec![lease]).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_host;
+
+    #[test]
+    fn own_hosts() {
+        let extra = vec!["registry.local".to_string()];
+        for ok in [
+            "localhost",
+            "localhost:5000",
+            "127.0.0.1:5000",
+            "127.1.2.3",
+            "[::1]:5000",
+            "[::1]",
+            "registry.local:5000",
+        ] {
+            assert!(own_host(ok, &extra), "{ok}");
+        }
+        for bad in [
+            "registry.example.invalid",
+            "registry.example.invalid:443",
+            "10.0.0.1:5000",
+            "[::2]:5000",
+            "localhost:x",
+            "",
+            "registry.local.evil:5000",
+        ] {
+            assert!(!own_host(bad, &extra), "{bad}");
         }
     }
 }
