@@ -584,6 +584,78 @@ async fn artefact_is_stored_and_listed_never_given_to_cri() {
     assert!(cri_image_status(s.c.socket(), &name).await.is_none());
 }
 
+/// oras pushes a non-image artefact and attaches a referrer to it: both
+/// stored, listed, pulled and discovered through the referrers API, and
+/// never given to CRI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oras_artefact_and_referrer_never_given_to_cri() {
+    if peer("oras").is_none() {
+        return;
+    }
+    let s = start("");
+    let work = tempdir("oras-");
+    let oras = |args: &[&str]| {
+        let mut c = peer_bin("oras", "oras").unwrap();
+        c.current_dir(work.path())
+            .args(args)
+            .env("HOME", work.path());
+        run(c, &format!("oras {args:?}"))
+    };
+    std::fs::write(work.path().join("notes.txt"), "release notes\n").unwrap();
+    std::fs::write(work.path().join("sig.txt"), "a signature\n").unwrap();
+    let target = format!("{}/art/notes:1", s.addr);
+    oras(&[
+        "push",
+        "--plain-http",
+        &target,
+        "--artifact-type",
+        "application/vnd.imgbridge.test.notes",
+        "notes.txt:text/plain",
+    ]);
+    let tags = oras(&[
+        "repo",
+        "tags",
+        "--plain-http",
+        &format!("{}/art/notes", s.addr),
+    ]);
+    assert_eq!(tags.trim(), "1", "{tags}");
+    oras(&["pull", "--plain-http", &target, "-o", "out"]);
+    assert_eq!(
+        std::fs::read_to_string(work.path().join("out/notes.txt")).unwrap(),
+        "release notes\n"
+    );
+    oras(&[
+        "attach",
+        "--plain-http",
+        &target,
+        "--artifact-type",
+        "application/vnd.imgbridge.test.sig",
+        "sig.txt:text/plain",
+    ]);
+    let found = oras(&["discover", "--plain-http", "--format", "json", &target]);
+    assert!(
+        found.contains("application/vnd.imgbridge.test.sig"),
+        "the referrers API did not list the attached artefact:\n{found}"
+    );
+    let record = get_image(s.c.socket(), SRC, &target)
+        .await
+        .expect("the artefact's record");
+    assert_eq!(
+        record
+            .labels
+            .get("io.imgbridge.replicate")
+            .map(String::as_str),
+        Some("false")
+    );
+    let c = imgbridge::containerd::Containerd::new(s.c.socket());
+    let in_k8s = c
+        .list_images(K8S, vec!["name~=\"/art/\"".into()])
+        .await
+        .unwrap();
+    assert!(in_k8s.is_empty(), "artefacts replicated: {in_k8s:?}");
+    assert!(cri_image_status(s.c.socket(), &target).await.is_none());
+}
+
 /// Hostile and broken input: clear OCI error codes, and nothing
 /// half-written left in containerd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
