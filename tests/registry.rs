@@ -801,11 +801,15 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
 
-/// Thousands of idle upload sessions: bounded (429 past the limit), and
+/// A thousand idle upload sessions: bounded (429 past the limit), and
 /// once they expire their ingests are aborted and their leases released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_upload_sessions_are_bounded_and_expire() {
-    let s = start("max_uploads = 200\nupload_expiry = \"2s\"");
+    const MAX: usize = 1000;
+    // The expiry outlasts opening them all (a few seconds) with room to
+    // spare on a loaded machine: none expires before the limit is checked.
+    let s = start(&format!("max_uploads = {MAX}\nupload_expiry = \"30s\""));
+    let opened = std::time::Instant::now();
     let c = imgbridge::containerd::Containerd::new(s.c.socket());
     let leases = || {
         block_on(c.leases().list(imgbridge::containerd::request(
@@ -817,10 +821,10 @@ async fn idle_upload_sessions_are_bounded_and_expire() {
         .unwrap_or(usize::MAX)
     };
     let baseline = leases();
-    for i in 0..200 {
+    for i in 0..MAX {
         let r = http(&s.addr, "POST", "/v2/idle/blobs/uploads/", &[], b"");
         assert_eq!(r.status, 202, "session {i}: {}", r.text());
-        if i % 10 == 0 {
+        if i % 20 == 0 {
             // Some with bytes in containerd: an open ingest each.
             let loc = r.header("location").unwrap().to_string();
             let r = http(&s.addr, "PATCH", &loc, &[], format!("chunk {i}").as_bytes());
@@ -828,14 +832,19 @@ async fn idle_upload_sessions_are_bounded_and_expire() {
         }
     }
     let r = http(&s.addr, "POST", "/v2/idle/blobs/uploads/", &[], b"");
+    assert!(
+        opened.elapsed() < Duration::from_secs(30),
+        "opening {MAX} sessions took {:?}: longer than their expiry",
+        opened.elapsed()
+    );
     assert_eq!(
         (r.status, r.code().as_str()),
         (429, "TOOMANYREQUESTS"),
         "{}",
         r.text()
     );
-    assert!(leases() >= baseline + 200);
-    let released = poll(Duration::from_secs(20), || {
+    assert!(leases() >= baseline + MAX);
+    let released = poll(Duration::from_secs(90), || {
         let statuses = block_on(c.content().list_statuses(imgbridge::containerd::request(
             SRC,
             None,
