@@ -41,14 +41,24 @@ struct Setup {
 }
 
 fn start(extra: &str) -> Setup {
-    let port = free_port();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let addr = format!("127.0.0.1:{port}");
+    // Port 0 for both: a port picked beforehand can be taken by another
+    // process before imgbridge binds it; the log says which ones it got.
     let (c, p) = Scenario::cri()
         .config(&format!(
-            "[reconcile]\nenabled = false\n[metrics]\nlisten = \"{metrics}\"\n[registry]\nlisten = \"{addr}\"\n{extra}\n"
+            "[reconcile]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n[registry]\nlisten = \"127.0.0.1:0\"\n{extra}\n"
         ))
         .start();
+    let bound = |what: &str| {
+        poll(READY_TIMEOUT, || {
+            let log = p.log();
+            let line = log.lines().find(|l| l.contains(what))?;
+            let addr = line.split("listen=").nth(1)?.split_whitespace().next()?;
+            Some(addr.to_string())
+        })
+        .unwrap_or_else(|| panic!("imgbridge never logged {what:?}:\n{}", p.log_tail()))
+    };
+    let addr = bound("registry endpoint:");
+    let metrics = bound("operations endpoint:");
     let up = poll(READY_TIMEOUT, || {
         (http_status(&addr, "/v2/") == Some(200)).then_some(())
     });
