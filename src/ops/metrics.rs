@@ -140,6 +140,13 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RegistryLabels {
+    method: String,
+    route: &'static str,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
@@ -179,6 +186,8 @@ pub struct Metrics {
     image_refusals: Mutex<HashMap<String, LastError>>,
     file_errors: Mutex<HashMap<String, LastError>>,
     broken_calls: Family<OutcomeLabels, Counter>,
+    registry_requests: Family<RegistryLabels, Counter>,
+    registry_received: Counter<u64, AtomicU64>,
     /// Calls that broke containerd's connection twice and are no longer
     /// sent (bounded like the last errors: one entry per item).
     stopped_calls: Mutex<HashMap<String, Broken>>,
@@ -227,9 +236,13 @@ impl Metrics {
             image_refusals: Mutex::new(HashMap::new()),
             file_errors: Mutex::new(HashMap::new()),
             broken_calls: Family::default(),
+            registry_requests: Family::default(),
+            registry_received: Counter::default(),
             stopped_calls: Mutex::new(HashMap::new()),
         };
         let r = &mut registry;
+        register(r, "registry_requests", m.registry_requests.clone());
+        register(r, "registry_blob_received", m.registry_received.clone());
         register(r, "broken_calls", m.broken_calls.clone());
         register(r, "proxy_calls", m.calls.clone());
         register(r, "hpack_desync", m.hpack_desyncs.clone());
@@ -478,6 +491,28 @@ impl ImportObserver for Metrics {
 }
 
 /// The proxy's side: called per call and per DATA frame.
+impl crate::registry::observe::RegistryObserver for Metrics {
+    fn request(&self, method: &str, route: &'static str, status: u16) {
+        // Bounded: the methods HTTP/1 parsers accept are few, and an
+        // unknown one is folded.
+        let method = match method {
+            "GET" | "HEAD" | "PUT" | "POST" | "PATCH" | "DELETE" => method,
+            _ => "other",
+        };
+        self.registry_requests
+            .get_or_create(&RegistryLabels {
+                method: method.to_string(),
+                route,
+                status,
+            })
+            .inc();
+    }
+
+    fn blob_bytes(&self, n: u64) {
+        self.registry_received.inc_by(n);
+    }
+}
+
 impl CallObserver for Metrics {
     fn call_started(&self) {
         self.in_flight.inc();

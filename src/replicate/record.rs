@@ -26,7 +26,7 @@ use super::{cri_id, Error, Outcome, Replicator};
 use crate::containerd::{self as ctrd, Containerd, Descriptor, Image};
 use crate::labels::{
     pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, IMPORT,
-    PINNED, PINNED_VALUE, SOURCE,
+    PINNED, PINNED_VALUE, REPLICATE, REPLICATE_NO, SOURCE,
 };
 use crate::reference::{Reference, ReferenceError};
 
@@ -259,6 +259,14 @@ impl Replicator {
             );
             return Ok(Planned::Done(Outcome::default()));
         };
+        if image.labels.get(REPLICATE).map(String::as_str) == Some(REPLICATE_NO) {
+            // Not an image for CRI (a registry artefact or digest-only
+            // manifest, see crate::registry).
+            return Ok(Planned::Done(Outcome {
+                skipped: true,
+                ..Default::default()
+            }));
+        }
         let existing = existing.map_err(&err)?;
         let root = image.target.clone().ok_or_else(|| Error::NoTarget {
             image: replica.image.clone(),

@@ -81,6 +81,10 @@ use MetricUnit::{Bytes, Seconds};
 /// Every metric, in the order a scrape lists them.
 #[rustfmt::skip]
 pub const METRICS: &[MetricDef] = &[
+    def("registry_requests", Counter, None, &["method", "route", "status"],
+        "Requests the registry endpoint answered, by method, route (blob, upload, manifest, tags, referrers, ping) and HTTP status"),
+    def("registry_blob_received", Counter, Some(Bytes), &[],
+        "Blob bytes clients uploaded to the registry endpoint (written into containerd)"),
     def("broken_calls", Counter, None, &["outcome"],
         "Writes of imgbridge's own during which containerd's connection broke (did containerd crash?), by what followed: held_back (retried later) or stopped (not sent again)"),
     def("proxy_calls", Counter, None, &["method", "grpc_status"],
