@@ -30,6 +30,13 @@
 #   BENCH_BASELINE=/path/to/another/imgbridge  (adds it as a 4th target: A/B
 #                  a change against the previous build in the same run)
 #   BENCH_RUST_LOG=info (imgbridge's log filter) CONTAINERD=containerd
+#   BENCH_PUSH=1   runs the unary rounds under a push load: imgbridge serves its
+#                  registry endpoint ([registry], docs/registry.md) and a loop
+#                  uploads 32 MiB random blobs to it (curl) for as long as the
+#                  unary rounds last, so the table shows whether the endpoint
+#                  stalls the splice (all targets run under the same load;
+#                  compare imgbridge's overhead over the floor with a run
+#                  without it)
 # Quick run: BENCH_SIZE_MB=64 BENCH_CALLS=500 BENCH_ROUNDS=1 scripts/bench.sh
 # Everything (proxy, replication/reconcile, import): BENCH_ALL=1 scripts/bench.sh
 set -euo pipefail
@@ -113,6 +120,12 @@ socks=("$cd_sock" "$tmp/floor.sock" "$tmp/imgbridge.sock")
 pids+=($!)
 floor_pid=$!
 : >"$tmp/imgbridge.toml"
+if [[ -n ${BENCH_PUSH:-} ]]; then
+    command -v curl >/dev/null || { echo "BENCH_PUSH needs curl" >&2; exit 1; }
+    # A short expiry: the uploads' leases go soon, and their deletes below
+    # let containerd collect them (the root may be a tmpfs).
+    printf '[registry]\nlisten = "127.0.0.1:0"\nupload_expiry = "2s"\n' >"$tmp/imgbridge.toml"
+fi
 start_imgbridge() { # binary socket logfile
     RUST_LOG=${BENCH_RUST_LOG:-info} "$1" serve --config "$tmp/imgbridge.toml" \
         --listen "$2" --upstream "$cd_sock" 2>"$3" &
@@ -142,6 +155,39 @@ kv() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p"; }
 hz=$(getconf CLK_TCK)
 cpu_ticks() { if [[ -n $1 ]]; then awk '{print $14 + $15}' "/proc/$1/stat"; else echo 0; fi; }
 
+# --- push load (BENCH_PUSH) -------------------------------------------------
+# One upload after another of a fresh 32 MiB random blob: POST a session,
+# PATCH the bytes, PUT the digest. Appends each finished size to $tmp/pushed.
+push_loop() { # registry addr
+    local f=$tmp/push.blob loc d
+    while :; do
+        head -c 32M /dev/urandom >"$f"
+        d=sha256:$(sha256sum "$f" | cut -d' ' -f1)
+        loc=$(curl -sf -o /dev/null -D - -X POST "http://$1/v2/load/blobs/uploads/" |
+            sed -n 's/^[Ll]ocation: *\([^[:space:]]*\).*/\1/p')
+        [[ -n $loc ]] || continue
+        curl -sf -o /dev/null -X PATCH -H 'Content-Type: application/octet-stream' \
+            --data-binary "@$f" "http://$1$loc" || continue
+        curl -sf -o /dev/null -X PUT "http://$1$loc?digest=$d" && echo 32 >>"$tmp/pushed"
+        curl -sf -o /dev/null -X DELETE "http://$1/v2/load/blobs/$d" || true
+    done
+}
+push_pid=
+if [[ -n ${BENCH_PUSH:-} ]]; then
+    reg=
+    for i in $(seq 100); do
+        reg=$(sed -n 's/.*registry endpoint:.* listen=\([^ ]*\).*/\1/p' "$tmp/imgbridge.log" | head -1)
+        [[ -n $reg ]] && break
+        sleep 0.1
+    done
+    [[ -n $reg ]] || { echo "imgbridge did not log its registry endpoint" >&2; exit 1; }
+    : >"$tmp/pushed"
+    push_loop "$reg" &
+    push_pid=$!
+    pids+=("$push_pid")
+    log "push load on $reg during the unary rounds"
+fi
+
 # --- unary -----------------------------------------------------------------
 for ((r = 0; r < ROUNDS; r++)); do
     idx=($(order $r))
@@ -160,6 +206,12 @@ for ((r = 0; r < ROUNDS; r++)); do
         done
     done
 done
+
+if [[ -n $push_pid ]]; then
+    kill "$push_pid" 2>/dev/null || true
+    wait "$push_pid" 2>/dev/null || true
+    log "pushed $(awk '{s += $1} END {print s + 0}' "$tmp/pushed") MiB to the endpoint during the unary rounds"
+fi
 
 # --- streaming -------------------------------------------------------------
 bytes=$((SIZE_MB << 20))

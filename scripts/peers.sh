@@ -4,10 +4,10 @@
 # module per peer, see tests/peers/README.md), each set in its own bin dir,
 # cached outside the repo and reused across runs.
 #
-#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet)
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras)
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl,
-#       spegel, or kubelet.
+#       spegel, kubelet, crane, conformance, or oras.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -29,16 +29,16 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 peers_cache="$cache_root/peers"
-all_names=(buildkit nerdctl crictl spegel kubelet)
+all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras)
 
 log() { echo "peers: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 # shellcheck source=scripts/lib/gobuild.sh
 . "$repo_root/scripts/lib/gobuild.sh"
-# gobuild.sh lists the peers it knew of when written; spegel and kubelet are
-# more (so `versions` prints their pins too).
-for _p in spegel kubelet; do
+# gobuild.sh lists the peers it knew of when written; spegel, kubelet, crane,
+# conformance and oras are more (so `versions` prints their pins too).
+for _p in spegel kubelet crane conformance oras; do
     [[ " ${gobuild_peer_names[*]} " == *" $_p "* ]] || gobuild_peer_names+=("$_p")
 done
 
@@ -70,6 +70,16 @@ done
 #             component-base/version, which `kubelet --version` prints, and
 #             of client-go/pkg/version), -trimpath. About 1,800 packages:
 #             ~15 min cold on two busy cores, seconds warm.
+#   crane     .goreleaser.yaml of go-containerregistry: CGO_ENABLED=0,
+#             ldflags "-s -w -X cmd/crane/cmd.Version=<tag>", -trimpath.
+#   conformance  the OCI distribution-spec conformance suite (a main package;
+#             its Dockerfile: CGO_ENABLED=0 go build). It has no version
+#             flag: check_peer reads the module's version from the build
+#             info, as for spegel.
+#   oras      Makefile build-linux-amd64 for a tag: CGO_ENABLED=0, ldflags
+#             "-w -X internal/version.BuildMetadata=" (GitCommit stays unset:
+#             the module proxy carries no commit id); `oras version` prints
+#             the version.
 # Revision stays unset: the module proxy carries no commit id (buildkit
 # prints an empty revision, nerdctl "<unknown>").
 peer_spec() { # name version
@@ -104,6 +114,21 @@ peer_spec() { # name version
             binaries=(spegel)
             units=("0||-s -w|-trimpath|$module")
             ;;
+        crane)
+            module=github.com/google/go-containerregistry
+            binaries=(crane)
+            units=("0||-s -w -X $module/cmd/crane/cmd.Version=$ver|-trimpath|$module/cmd/crane")
+            ;;
+        oras)
+            module=oras.land/oras
+            binaries=(oras)
+            units=("0||-w -X $module/internal/version.BuildMetadata=||$module/cmd/oras")
+            ;;
+        conformance)
+            module=github.com/opencontainers/distribution-spec/conformance
+            binaries=(conformance)
+            units=("0||||$module")
+            ;;
         kubelet)
             module=k8s.io/kubernetes
             binaries=(kubelet)
@@ -133,10 +158,21 @@ check_peer() { # bindir; uses $name $ver $binaries $module
             [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
             continue
         fi
-        if [[ "$name" == spegel ]]; then
-            "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
+        if [[ "$name" == spegel || "$name" == conformance ]]; then
+            [[ "$name" == conformance ]] ||
+                "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
             out="$("$(gobuild_find_go)" version -m "$1/$b" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m { print $3 }')"
             [[ "$out" == "$ver" ]] || die "peer $name: $1/$b links $module '$out', expected $ver"
+            continue
+        fi
+        if [[ "$name" == oras ]]; then
+            out="$("$1/$b" version 2>&1)" || die "peer $name: $1/$b version failed: $out"
+            [[ "$out" == *"Version:"*" ${ver#v}"* ]] || die "peer $name: $1/$b version prints '$out', expected ${ver#v}"
+            continue
+        fi
+        if [[ "$name" == crane ]]; then
+            out="$("$1/$b" version 2>&1)" || die "peer $name: $1/$b version failed: $out"
+            [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
             continue
         fi
         out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"

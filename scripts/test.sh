@@ -93,13 +93,15 @@ scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
 echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
 
-# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet), built
-# once into their cache; the tests that need them use the same builds (kubelet:
-# about 11 min cold on two busy cores, under a second warm).
+# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
+# crane, oras) and the OCI distribution-spec conformance suite (tests/registry.rs
+# runs it against the registry endpoint), built once into their cache; the
+# tests that need them use the same builds (kubelet: about 11 min cold on two
+# busy cores, under a second warm; crane and conformance: about 1 min cold).
 # IMGBRIDGE_SKIP_PEERS=1 skips both the builds and those tests (a quick
 # local loop only: CI never sets it).
 if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" == "1" ]]; then
-    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl, spegel (multinode) and kubelet tests will not run"
+    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl, spegel (multinode), kubelet, crane, oras and conformance (registry) tests will not run"
 else
     stage_start=$SECONDS
     echo "==> peers: scripts/peers.sh fetch"

@@ -22,6 +22,8 @@ pub enum ServeError {
     Proxy(#[from] proxy::ProxyError),
     #[error(transparent)]
     Ops(#[from] ops::http::HttpError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::BindError),
 }
 
 /// Optional extra listeners the caller already bound.
@@ -92,6 +94,21 @@ pub async fn serve(
             vec![ops.metrics.clone(), first_pass],
             stop.clone(),
         )));
+    }
+    if !config.registry.listen.is_empty() {
+        // Bound before the proxy serves: a port in use fails the start.
+        let l = crate::registry::bind(&config.registry.listen).await?;
+        let local = l
+            .local_addr()
+            .map_err(|source| crate::registry::BindError::new(&config.registry.listen, source))?;
+        let reg = crate::registry::Registry::new(
+            containerd.new_connection(),
+            replicator.clone(),
+            crate::registry::Settings::from_config(&config),
+            local,
+            Some(ops.metrics.clone()),
+        );
+        tasks.push(tokio::spawn(crate::registry::serve(l, reg, stop.clone())));
     }
     pc.observer = Some(ops.metrics.clone());
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));

@@ -48,6 +48,7 @@ pub struct Config {
     pub import: Import,
     pub metrics: Metrics,
     pub log: Log,
+    pub registry: Registry,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -165,6 +166,59 @@ pub struct Metrics {
     pub listen: String,
 }
 
+/// `[registry]`: the node-local OCI distribution endpoint
+/// ([docs/registry.md](../docs/registry.md)). Off unless `listen` is set.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Registry {
+    /// `host:port` on a loopback address; empty = off.
+    pub listen: String,
+    /// Namespace pushed images are written into; empty = the first
+    /// replication source, so replication applies to them unchanged.
+    pub namespace: String,
+    /// Largest manifest or index accepted (distribution's limit: 4 MiB).
+    pub max_manifest_bytes: u64,
+    /// Largest blob accepted (0 = no limit).
+    pub max_blob_bytes: u64,
+    /// An upload session idle this long is dropped (its ingest aborted, its
+    /// lease released); an uploaded blob no manifest names is released
+    /// after it too.
+    #[serde(with = "duration")]
+    pub upload_expiry: Duration,
+    /// Upload sessions open at once; more are refused with 429.
+    pub max_uploads: usize,
+    /// Host names (besides `localhost` and loopback IPs) clients may push
+    /// to: the host part of a pushed image's name.
+    pub hosts: Vec<String>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry {
+            listen: String::new(),
+            namespace: String::new(),
+            max_manifest_bytes: 4 << 20,
+            max_blob_bytes: 0,
+            upload_expiry: Duration::from_secs(3600),
+            max_uploads: 1024,
+            hosts: Vec::new(),
+        }
+    }
+}
+
+impl Registry {
+    /// The namespace pushes go into (see [`Registry::namespace`]).
+    pub fn namespace<'a>(&'a self, r: &'a Replication) -> &'a str {
+        if self.namespace.is_empty() {
+            r.source_namespaces
+                .first()
+                .map_or("buildkit", String::as_str)
+        } else {
+            &self.namespace
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Log {
@@ -192,6 +246,7 @@ impl Default for Config {
             import: Import::default(),
             metrics: Metrics::default(),
             log: Log::default(),
+            registry: Registry::default(),
         }
     }
 }
@@ -335,6 +390,61 @@ impl Config {
                     "metrics.listen {m:?}: expected host:port (e.g. \"127.0.0.1:9090\") or a Unix socket path"
                 ));
             }
+        }
+        self.validate_registry()
+    }
+
+    fn validate_registry(&self) -> Result<(), ConfigError> {
+        let g = &self.registry;
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if g.listen.is_empty() {
+            return Ok(());
+        }
+        let Ok(addr) = g.listen.parse::<std::net::SocketAddr>() else {
+            return bad(format!(
+                "registry.listen {:?}: expected an IP address and port such as \"127.0.0.1:5000\"",
+                g.listen
+            ));
+        };
+        if !addr.ip().is_loopback() {
+            return bad(format!(
+                "registry.listen {:?} is not a loopback address: the registry endpoint has no authentication or TLS, and whoever reaches it can replace the images kubelet runs; listen on 127.0.0.1 or [::1] (and reach it from elsewhere through an authenticating, TLS-terminating proxy)",
+                g.listen
+            ));
+        }
+        let ns = g.namespace(&self.replication);
+        if !self.replication.source_namespaces.iter().any(|s| s == ns) {
+            return bad(format!(
+                "registry.namespace {ns:?} is not one of replication.source_namespaces {:?}: pushed images are written into a source namespace so that replication (and its read-your-writes) applies to them",
+                self.replication.source_namespaces
+            ));
+        }
+        if g.max_manifest_bytes == 0 || g.max_manifest_bytes > crate::containerd::MAX_MESSAGE as u64
+        {
+            return bad(format!(
+                "registry.max_manifest_bytes {}: expected 1 to {} (manifests are read whole)",
+                g.max_manifest_bytes,
+                crate::containerd::MAX_MESSAGE
+            ));
+        }
+        if let Some(h) = g.hosts.iter().find(|h| {
+            h.is_empty()
+                || !h
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        }) {
+            return bad(format!(
+                "registry.hosts entry {h:?}: expected a host name without port (e.g. \"registry.local\")"
+            ));
+        }
+        if g.max_uploads == 0 {
+            return bad("registry.max_uploads is 0: no push could start".into());
+        }
+        if g.upload_expiry < Duration::from_secs(1) {
+            return bad(format!(
+                "registry.upload_expiry {:?} is shorter than a second",
+                g.upload_expiry
+            ));
         }
         Ok(())
     }
@@ -575,6 +685,43 @@ mod tests {
                 "docs/configuration.md's table lacks `{k}`"
             );
         }
+    }
+
+    #[test]
+    fn registry_listens_on_loopback_only() {
+        let with = |listen: &str, ns: &str| Config {
+            registry: Registry {
+                listen: listen.into(),
+                namespace: ns.into(),
+                ..Registry::default()
+            },
+            ..Config::default()
+        };
+        with("127.0.0.1:5000", "").validate().unwrap();
+        with("[::1]:5000", "buildkit").validate().unwrap();
+        assert_eq!(
+            with("127.0.0.1:5000", "")
+                .registry
+                .namespace(&Replication::default()),
+            "buildkit"
+        );
+        for bad in ["0.0.0.0:5000", "10.1.2.3:5000", "[::]:5000"] {
+            let e = with(bad, "").validate().unwrap_err().to_string();
+            assert!(
+                e.contains("not a loopback address") && e.contains("TLS"),
+                "{e}"
+            );
+        }
+        let e = with("localhost", "").validate().unwrap_err().to_string();
+        assert!(e.contains("registry.listen"), "{e}");
+        let e = with("127.0.0.1:5000", "k8s.io")
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not one of replication.source_namespaces"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,6 +20,22 @@ pub const SOURCE: &str = "io.imgbridge.source";
 /// Sources (path hashes) of watched files that pinned the record.
 pub const IMPORT: &str = "io.imgbridge.import";
 
+/// `false` on a source record the replicator leaves alone: what the
+/// registry endpoint stores that is not an image for CRI (artefacts such
+/// as Helm charts, referrers, manifests pushed by digest only).
+pub const REPLICATE: &str = "io.imgbridge.replicate";
+pub const REPLICATE_NO: &str = "false";
+/// The repository (`app`, `team/app`) a registry record belongs to: the
+/// endpoint lists a repository's records by it, whatever host name the
+/// client used.
+pub const REGISTRY_REPOSITORY: &str = "io.imgbridge.registry.repository";
+/// The `subject` digest of a manifest pushed through the registry (the
+/// referrers API lists records by it).
+pub const REGISTRY_SUBJECT: &str = "io.imgbridge.registry.subject";
+/// The media type a manifest was pushed with, on its content blob (a
+/// manifest need not name its own `mediaType`).
+pub const REGISTRY_MEDIA_TYPE: &str = "io.imgbridge.registry.media-type";
+
 // ---- CRI's (containerd's CRI plugin) -------------------------------------
 
 /// Prefix of the labels CRI owns on image records; never copied from a

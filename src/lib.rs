@@ -2,7 +2,8 @@
 //! build namespaces (e.g. `buildkit`) into `k8s.io` before the write returns.
 //!
 //! Layout: [`proxy`] is transport only; [`replicate`] owns the replication
-//! contract; [`reconcile`] and [`import`] feed it or write images themselves;
+//! contract; [`reconcile`] and [`import`] feed it or write images themselves,
+//! as does [`registry`], the node-local OCI distribution endpoint;
 //! [`containerd`] wraps the typed API; [`labels`] holds every label key and
 //! media type; [`app`] wires them together. Only [`ops`] knows about metrics
 //! and readiness: the other modules report through observer traits they own,
@@ -19,6 +20,7 @@ pub mod ops;
 pub mod proxy;
 pub mod reconcile;
 pub mod reference;
+pub mod registry;
 pub mod replicate;
 
 pub use app::serve;

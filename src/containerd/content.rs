@@ -72,6 +72,18 @@ impl Containerd {
         ns: &str,
         digest: &str,
     ) -> Result<impl Stream<Item = Result<Bytes>> + Send + 'static> {
+        self.read_range(ns, digest, 0, 0).await
+    }
+
+    /// [`Self::read_stream`] of `size` bytes from `offset` (`size` 0: to
+    /// the end).
+    pub async fn read_range(
+        &self,
+        ns: &str,
+        digest: &str,
+        offset: i64,
+        size: i64,
+    ) -> Result<impl Stream<Item = Result<Bytes>> + Send + 'static> {
         let op = format!("Content.Read {digest} in {ns}");
         let s = self
             .bulk_content()
@@ -80,8 +92,8 @@ impl Containerd {
                 None,
                 ReadContentRequest {
                     digest: digest.into(),
-                    offset: 0,
-                    size: 0,
+                    offset,
+                    size,
                 },
             ))
             .await
@@ -360,6 +372,32 @@ impl Containerd {
         })
     }
 
+    /// Deletes a blob from `ns`; `false` if it was not there.
+    pub async fn delete_content(&self, ns: &str, digest: &str) -> Result<bool> {
+        let op = format!("Content.Delete {digest} in {ns}");
+        let call = async {
+            match self
+                .content()
+                .delete(request(
+                    ns,
+                    None,
+                    containerd_client::services::v1::DeleteContentRequest {
+                        digest: digest.into(),
+                    },
+                ))
+                .await
+            {
+                Ok(_) => Ok(true),
+                Err(s) if s.code() == tonic::Code::NotFound => Ok(false),
+                Err(status) => Err(Error::Status {
+                    op: op.clone(),
+                    status,
+                }),
+            }
+        };
+        self.guarded(&op, ns, digest, call).await
+    }
+
     /// Sets labels on a blob already in `ns` (mask `labels.<key>` for each).
     pub async fn update_content_labels(
         &self,
@@ -415,6 +453,23 @@ impl Ingest {
             data = rest;
         }
         Ok(())
+    }
+
+    /// Bytes sent so far.
+    pub fn written(&self) -> i64 {
+        self.writer.offset
+    }
+
+    /// Commits what was written as `digest`, for an ingest opened with an
+    /// unknown size (0): a chunked registry upload learns its size and
+    /// digest only at the end. containerd checks the digest.
+    pub async fn commit_written(
+        mut self,
+        digest: &str,
+        labels: &HashMap<String, String>,
+    ) -> Result<()> {
+        self.size = self.writer.offset;
+        self.commit(digest, labels).await
     }
 
     /// Commits as `digest` with `labels`; containerd checks size and digest.

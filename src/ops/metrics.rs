@@ -147,6 +147,13 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RegistryLabels {
+    method: String,
+    route: &'static str,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
@@ -186,6 +193,8 @@ pub struct Metrics {
     image_refusals: Mutex<HashMap<String, LastError>>,
     file_errors: Mutex<HashMap<String, LastError>>,
     broken_calls: Family<OutcomeLabels, Counter>,
+    registry_requests: Family<RegistryLabels, Counter>,
+    registry_received: Counter<u64, AtomicU64>,
     /// Calls that broke containerd's connection twice and are no longer
     /// sent (bounded like the last errors: one entry per item).
     stopped_calls: Mutex<HashMap<String, Broken>>,
@@ -224,8 +233,21 @@ impl Metrics {
             image_refusals: Mutex::new(HashMap::new()),
             file_errors: Mutex::new(HashMap::new()),
             broken_calls: Family::default(),
+            registry_requests: Family::default(),
+            registry_received: Counter::default(),
             stopped_calls: Mutex::new(HashMap::new()),
         };
+        registry.register(
+            "registry_requests",
+            "Requests the registry endpoint answered, by method, route (blob, upload, manifest, tags, referrers, ping) and HTTP status",
+            m.registry_requests.clone(),
+        );
+        registry.register_with_unit(
+            "registry_blob_received",
+            "Blob bytes clients uploaded to the registry endpoint (written into containerd)",
+            Unit::Bytes,
+            m.registry_received.clone(),
+        );
         registry.register(
             "broken_calls",
             "Writes of imgbridge's own during which containerd's connection broke (did containerd crash?), by what followed: held_back (retried later) or stopped (not sent again)",
@@ -532,6 +554,28 @@ impl ImportObserver for Metrics {
 }
 
 /// The proxy's side: called per call and per DATA frame.
+impl crate::registry::observe::RegistryObserver for Metrics {
+    fn request(&self, method: &str, route: &'static str, status: u16) {
+        // Bounded: the methods HTTP/1 parsers accept are few, and an
+        // unknown one is folded.
+        let method = match method {
+            "GET" | "HEAD" | "PUT" | "POST" | "PATCH" | "DELETE" => method,
+            _ => "other",
+        };
+        self.registry_requests
+            .get_or_create(&RegistryLabels {
+                method: method.to_string(),
+                route,
+                status,
+            })
+            .inc();
+    }
+
+    fn blob_bytes(&self, n: u64) {
+        self.registry_received.inc_by(n);
+    }
+}
+
 impl CallObserver for Metrics {
     fn call_started(&self) {
         self.in_flight.inc();

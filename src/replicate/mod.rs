@@ -41,7 +41,8 @@ use tree::{Child, Need};
 
 use crate::labels::{
     pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX,
-    DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, SOURCE,
+    DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT, IMPORT, PINNED, PINNED_VALUE, REPLICATE,
+    REPLICATE_NO, SOURCE,
 };
 /// Blobs linked or checked in parallel per image.
 const PARALLEL: usize = 16;
@@ -563,6 +564,14 @@ impl Replicator {
             );
             return Ok(Outcome::default());
         };
+        if image.labels.get(REPLICATE).map(String::as_str) == Some(REPLICATE_NO) {
+            // Not an image for CRI (a registry artefact or digest-only
+            // manifest, see crate::registry).
+            return Ok(Outcome {
+                skipped: true,
+                ..Default::default()
+            });
+        }
         let existing = existing.map_err(err)?;
         let root = image.target.clone().ok_or_else(|| Error::NoTarget {
             image: name.into(),
