@@ -1,7 +1,13 @@
 //! The delete policy: what happens to replicas when their source image is
 //! deleted through imgbridge, or was deleted while nobody watched.
 
-use super::*;
+use std::collections::HashMap;
+
+use super::{Error, Replicator};
+use crate::config::DeletePolicy;
+use crate::containerd::{self as ctrd, Image};
+use crate::labels::{pin_owner, PinOwner, CRI_NAMESPACE, PINNED, SOURCE};
+use crate::reference::Reference;
 
 impl Replicator {
     /// Applies `delete_policy` to the replicas of `name` deleted in `source`.

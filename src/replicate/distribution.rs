@@ -17,8 +17,15 @@ use crate::reference::Reference;
 /// `(containerd.io/distribution.source.<host>, <repository>)` for `image`;
 /// `None` for a name that is no reference.
 pub(crate) fn source(image: &str) -> Option<(String, String)> {
-    let r = Reference::parse(image).ok()?;
-    Some((format!("{DISTRIBUTION_SOURCE}.{}", r.domain), r.path))
+    Reference::parse(image).ok().map(|r| label(&r))
+}
+
+/// [`source`] of a name already parsed.
+pub(crate) fn label(r: &Reference) -> (String, String) {
+    (
+        format!("{DISTRIBUTION_SOURCE}.{}", r.domain),
+        r.path.clone(),
+    )
 }
 
 #[cfg(test)]

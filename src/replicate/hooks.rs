@@ -163,7 +163,7 @@ impl Hook for DirectWrite {
 
 /// Transfer (containerd 1.7/2.x) stores images server-side, so the names
 /// are not on the wire: list the namespace before and after, replicate what
-/// changed (reference §3).
+/// changed.
 struct TransferHook {
     r: Arc<Replicator>,
     ns: String,

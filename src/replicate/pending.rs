@@ -528,11 +528,10 @@ impl Replicator {
             size: job.child.size,
             ..Default::default()
         };
-        let image = job
+        let registry = job
             .images()
             .first()
-            .map(|i| i.to_string())
-            .unwrap_or_default();
+            .and_then(|i| super::distribution::source(i));
         let mut done = Vec::new();
         for target in &job.targets {
             // The parent in the target already carries a gc.ref label for
@@ -540,14 +539,21 @@ impl Replicator {
             // (created only if it writes) covers its children until they
             // are referenced. Children still missing are queued in turn,
             // for the same images, needed where both are.
-            let lease = super::Lease::new(&self.spares, target);
+            let lease = super::spare::Lease::new(&self.spares, target);
             let open = super::protect::Gate::open();
             match self
-                .walk(job.source(), target, &image, &root, &lease, &open)
+                .walk(
+                    job.source(),
+                    target,
+                    registry.as_ref(),
+                    &root,
+                    &lease,
+                    &open,
+                )
                 .await
             {
-                Ok((_, _, children)) => {
-                    for (child, need) in children {
+                Ok(found) => {
+                    for (child, need) in found.missing {
                         for o in &job.owners {
                             self.pending.add(Item {
                                 source: job.source().to_string(),

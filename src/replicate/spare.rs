@@ -1,4 +1,5 @@
-//! One lease per target made ready before a replication needs it.
+//! Leases: one per target made ready before a replication needs it, and
+//! the [`Lease`] a replication takes from it for its writes.
 //!
 //! The first link of a new tree had to wait for `Leases.Create`, a bolt
 //! transaction with an fsync on containerd's one writer, about 1 ms of the
@@ -10,8 +11,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio::sync::OnceCell;
 
 use crate::containerd::{self as ctrd, Containerd};
 
@@ -123,6 +126,61 @@ impl Spares {
     pub async fn delete(&self, target: &str, id: &str) {
         if let Err(e) = self.c.delete_lease(target, id).await {
             tracing::warn!(lease = %id, target, error = %e, "could not delete a lease; it expires on its own");
+        }
+    }
+}
+
+/// A replication's lease in its target, taken by the first write (a spare
+/// made ready before, see [`Spares`]). It is released explicitly once the
+/// blobs are referenced, and from `Drop` when the replication is cancelled
+/// (timeout, caller gone) so the content is not held until the lease
+/// expires. Either way the next spare is made after it is gone.
+pub struct Lease {
+    spares: Arc<Spares>,
+    target: String,
+    id: OnceCell<String>,
+    released: AtomicBool,
+}
+
+impl Lease {
+    pub fn new(spares: &Arc<Spares>, target: &str) -> Lease {
+        Lease {
+            spares: spares.clone(),
+            target: target.into(),
+            id: OnceCell::new(),
+            released: Default::default(),
+        }
+    }
+
+    /// The lease's id; the first caller takes it.
+    pub async fn id(&self) -> Result<&String, ctrd::Error> {
+        self.id
+            .get_or_try_init(|| self.spares.take(&self.target))
+            .await
+    }
+
+    pub async fn release(&self) {
+        let Some(id) = self.id.get() else { return };
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.spares.delete(&self.target, id).await;
+        let (spares, target) = (self.spares.clone(), self.target.clone());
+        tokio::spawn(async move { spares.refill(&target).await });
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let (Some(id), Ok(rt)) = (self.id.take(), tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        if !*self.released.get_mut() {
+            let (spares, target) = (self.spares.clone(), std::mem::take(&mut self.target));
+            rt.spawn(async move {
+                spares.delete(&target, &id).await;
+                spares.refill(&target).await;
+            });
         }
     }
 }
