@@ -11,7 +11,7 @@ use imgbridge::listener::{self, SocketFile, SocketPerms};
 
 /// jemalloc instead of glibc's malloc, which kept what connections freed:
 /// after 2500 idle connections closed, VmRSS stayed at 2.2x its baseline
-/// even with the read buffers given back (9.9x before that, issue 17;
+/// even with the read buffers given back (9.9x before that, docs/performance.md;
 /// tests/conns.rs); jemalloc: 1.1x within about a second. mimalloc gave it
 /// back only when told to purge with no delay (its delayed purges wait for
 /// later allocations, which an idle daemon does not make) and started

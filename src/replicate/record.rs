@@ -1,5 +1,6 @@
 //! The image records of a replication
-//! ([docs/design.md](../../docs/design.md#replication), steps 1 and 3).
+//! ([docs/design.md](../../docs/design.md#replication): the protected
+//! names checked before anything is written, and step 3).
 //!
 //! Plan: the source's record is read as it is now, not as the write's
 //! reply had it (under the per-name lock, racing writers converge on what

@@ -1,9 +1,9 @@
 //! What starts a replication, and what its caller hears
-//! ([docs/design.md](../../docs/design.md#replication)): a client's image
-//! write held by the proxy ([`super::hooks`]), a write straight into
-//! `k8s.io` waited for until CRI sees it, a write the client reset after
-//! containerd got it, a Transfer that wrote into a source, and the
-//! background retry of a failed replication. The reconcile pass and the
+//! ([docs/design.md](../../docs/design.md#replication), steps 1 and 5): a
+//! client's image write held by the proxy ([`super::hooks`]), a write
+//! straight into `k8s.io` waited for until CRI sees it, a write the client
+//! reset after containerd got it, a Transfer that wrote into a source, and
+//! the background retry of a failed replication. The reconcile pass and the
 //! events backstop call [`Replicator::replicate`] directly.
 
 use std::sync::Arc;

@@ -12,7 +12,8 @@
 //! A held reply breaks that. containerd wrote it long ago; released, its
 //! DATA makes the client PING a containerd that has been silent since its
 //! last ACK, and a burst of held calls released one by one adds up to the
-//! GOAWAY (issue 17: 200 parallel `Images.Create` in a source namespace).
+//! GOAWAY (200 parallel `Images.Create` in a source namespace; see
+//! docs/performance.md).
 //!
 //! So the splice answers (ACK, same payload) a client PING only when both:
 //! - a held reply was released to the client since the last PING ACK it

@@ -25,7 +25,7 @@ const BUF: usize = 256 << 10;
 /// Read buffers no direction holds: a direction takes one when it reads and
 /// gives it back when everything read has been written, so an idle
 /// connection holds none (2 × 256 KiB each was most of what 2500 idle
-/// connections cost, issue 17). Kept instead of freed because a fresh
+/// connections cost, docs/performance.md). Kept instead of freed because a fresh
 /// buffer must be zeroed: without spares (`scripts/bench.sh`, one run) a
 /// unary call cost 36.5 µs of CPU instead of 15.4, +66 µs over direct
 /// containerd instead of +31. A plain `Mutex<Vec>`: locked twice per call
