@@ -580,21 +580,28 @@ async fn artefact_is_stored_and_listed_never_given_to_cri() {
     assert_eq!(got.status, 200);
     assert_eq!(got.body, manifest.as_bytes());
     let name = format!("{}/{repo}:0.1.0", s.addr);
-    let record = get_image(s.c.socket(), SRC, &name)
+    assert_stored_never_given_to_cri(s.c.socket(), &name).await;
+}
+
+/// An artefact's record is in the registry's namespace, marked so the
+/// replicator skips it, and neither a replica nor CRI knows the name.
+async fn assert_stored_never_given_to_cri(sock: &std::path::Path, name: &str) {
+    let record = get_image(sock, SRC, name)
         .await
-        .expect("record in the registry namespace");
+        .unwrap_or_else(|| panic!("no record of {name} in the registry namespace"));
     assert_eq!(
         record
             .labels
             .get("io.imgbridge.replicate")
             .map(String::as_str),
-        Some("false")
+        Some("false"),
+        "{name} is not marked to be skipped"
     );
     assert!(
-        get_image(s.c.socket(), K8S, &name).await.is_none(),
-        "an artefact was replicated"
+        get_image(sock, K8S, name).await.is_none(),
+        "the artefact {name} was replicated"
     );
-    assert!(cri_image_status(s.c.socket(), &name).await.is_none());
+    assert!(cri_image_status(sock, name).await.is_none());
 }
 
 /// oras pushes a non-image artefact and attaches a referrer to it: both
@@ -650,23 +657,13 @@ async fn oras_artefact_and_referrer_never_given_to_cri() {
         found.contains("application/vnd.imgbridge.test.sig"),
         "the referrers API did not list the attached artefact:\n{found}"
     );
-    let record = get_image(s.c.socket(), SRC, &target)
-        .await
-        .expect("the artefact's record");
-    assert_eq!(
-        record
-            .labels
-            .get("io.imgbridge.replicate")
-            .map(String::as_str),
-        Some("false")
-    );
+    assert_stored_never_given_to_cri(s.c.socket(), &target).await;
     let c = imgbridge::containerd::Containerd::new(s.c.socket());
     let in_k8s = c
         .list_images(K8S, vec!["name~=\"/art/\"".into()])
         .await
         .unwrap();
     assert!(in_k8s.is_empty(), "artefacts replicated: {in_k8s:?}");
-    assert!(cri_image_status(s.c.socket(), &target).await.is_none());
 }
 
 /// Hostile and broken input: clear OCI error codes, and nothing
