@@ -4,18 +4,15 @@
 # module per peer, see tests/peers/README.md), each set in its own bin dir,
 # cached outside the repo and reused across runs.
 #
-#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras)
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras helm)
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl,
-#       spegel, kubelet, crane, conformance, or oras.
+#       spegel, kubelet, crane, conformance, oras, or helm.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
 #       checks that each build uses upstream's own dependency versions and
 #       mirrors its exclude/replace directives (needs network)
-#   scripts/peers.sh fetch helm
-#       helm (bindir holds helm): not a client of the integration tests but
-#       the chart checker of scripts/test.sh, so not fetched by default.
 #
 # Environment:
 #   IMGBRIDGE_CACHE   cache root (default /var/cache/imgbridge-test); builds go
@@ -29,7 +26,7 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 peers_cache="$cache_root/peers"
-all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras)
+all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras helm)
 
 log() { echo "peers: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -37,8 +34,8 @@ die() { log "ERROR: $*"; exit 1; }
 # shellcheck source=scripts/lib/gobuild.sh
 . "$repo_root/scripts/lib/gobuild.sh"
 # gobuild.sh lists the peers it knew of when written; spegel, kubelet, crane,
-# conformance and oras are more (so `versions` prints their pins too).
-for _p in spegel kubelet crane conformance oras; do
+# conformance, oras and helm are more (so `versions` prints their pins too).
+for _p in spegel kubelet crane conformance oras helm; do
     [[ " ${gobuild_peer_names[*]} " == *" $_p "* ]] || gobuild_peer_names+=("$_p")
 done
 
@@ -204,9 +201,6 @@ verify_peer() { # name; run in a subshell
     peer_spec "$name" "$(gobuild_pin "$name" "$module")"
     gobuild_verify "$name" "$go" "${units[@]}"
 }
-
-# helm (the chart checker) is one more pin for `versions`.
-[[ " ${gobuild_peer_names[*]} " == *" helm "* ]] || gobuild_peer_names+=(helm)
 
 cmd="${1:-}"
 case "$cmd" in

@@ -105,6 +105,33 @@ if [[ -n "$bin" ]]; then
 fi
 ok "every option: ServiceMonitor, dashboard, import dirs, group file, extra config keys${bin:+ (config loads)}"
 
+# The registry endpoint: [registry] on the node's loopback, the KEP-1755
+# ConfigMap, and a clear error without hostNetwork.
+reg=(--set registry.enabled=true --set registry.port=5123 --set hostNetwork=true)
+"$helm" lint --strict "$chart" "${reg[@]}" >"$work/lint" 2>&1 || { cat "$work/lint"; fail "helm lint with the registry on"; }
+out="$(render "${reg[@]}")"
+obj ConfigMap "$out" | jq -r 'select(.metadata.name == "local-registry-hosting") | .data["localRegistryHosting.v1"]' >"$work/lrh"
+[[ "$(obj ConfigMap "$out" | jq -r 'select(.metadata.name == "local-registry-hosting") | .metadata.namespace')" == kube-public ]] ||
+    fail "registry: no local-registry-hosting ConfigMap in kube-public"
+[[ "$(yq -r .host "$work/lrh")" == localhost:5123 && "$(yq -r .hostFromContainerRuntime "$work/lrh")" == localhost:5123 ]] ||
+    fail "registry: local-registry-hosting says: $(cat "$work/lrh")"
+obj ConfigMap "$out" | jq -r 'select(.data["config.toml"]) | .data["config.toml"]' >"$work/reg.toml"
+grep -qxF 'listen = "127.0.0.1:5123"' "$work/reg.toml" || fail "registry: config.toml lacks its listen:"$'\n'"$(cat "$work/reg.toml")"
+if [[ -n "$bin" ]]; then
+    "$bin" serve --config "$work/reg.toml" --print-config >"$work/reg.printed" || fail "imgbridge rejects the registry's config.toml"
+    grep -qxF 'listen = "127.0.0.1:5123"' "$work/reg.printed" || fail "imgbridge lost [registry] listen"
+fi
+[[ "$(render --set registry.enabled=true --set registry.localRegistryHosting.host=node1:5123 --set hostNetwork=true |
+    jq -r 'select(.metadata.name == "local-registry-hosting") | .data["localRegistryHosting.v1"]' | yq -r .host)" == node1:5123 ]] ||
+    fail "registry: localRegistryHosting.host is not published"
+[[ -z "$(render | jq -c 'select(.metadata.name == "local-registry-hosting")')" ]] || fail "local-registry-hosting rendered with the registry off"
+grep -qxF '[registry]' <(render | jq -r 'select(.data["config.toml"]) | .data["config.toml"]') && fail "[registry] rendered with the registry off"
+if "$helm" template imgbridge "$chart" --set registry.enabled=true >"$work/bad" 2>&1; then
+    fail "registry.enabled without hostNetwork rendered"
+fi
+grep -q 'registry.enabled needs hostNetwork: true' "$work/bad" || fail "registry without hostNetwork: $(cat "$work/bad")"
+ok "registry: [registry] on the node's loopback, KEP-1755 local-registry-hosting, needs hostNetwork${bin:+ (config loads)}"
+
 # The DaemonSet of the default values restarts on a config change only.
 a="$(render | jq -r 'select(.kind == "DaemonSet") | .spec.template.metadata.annotations["checksum/config"]')"
 b="$(render --set config.replication.pin=true | jq -r 'select(.kind == "DaemonSet") | .spec.template.metadata.annotations["checksum/config"]')"

@@ -505,6 +505,72 @@ async fn crane_push_and_copy_run_at_once() {
     }
 }
 
+/// A delete through the endpoint applies `delete_policy` to the replicas
+/// before the reply, as an `Images.Delete` through the proxy does (events
+/// are off here, so nothing else could): with `delete`, CRI no longer
+/// resolves a deleted tag when the client returns, and a tag of the same
+/// manifest that was not deleted keeps its replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_applies_delete_policy_to_replicas() {
+    let Some(_) = peer("crane") else { return };
+    let s = start("[replication]\npin = true\ndelete_policy = \"delete\"");
+    let img = TestImage::hello("reg-del:a");
+    let a = format!("{}/reg-del:a", s.addr);
+    let b = format!("{}/reg-del:b", s.addr);
+    let mut push = peer_bin("crane", "crane").unwrap();
+    push.args(["push", "--insecure"])
+        .arg(img.docker_archive())
+        .arg(&a);
+    run(push, "crane push");
+    let mut tag = peer_bin("crane", "crane").unwrap();
+    tag.args(["tag", "--insecure", &a, "b"]);
+    run(tag, "crane tag");
+    for n in [&a, &b] {
+        assert!(
+            cri_image_status(s.c.socket(), n).await.is_some(),
+            "{n} not resolved after its push"
+        );
+    }
+
+    // By tag: that tag's replica goes, the other stays.
+    let r = http(&s.addr, "DELETE", "/v2/reg-del/manifests/a", &[], b"");
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert!(
+        get_image(s.c.socket(), K8S, &a).await.is_none(),
+        "the replica of a deleted tag is still in {K8S}"
+    );
+    assert!(
+        cri_image_status(s.c.socket(), &a).await.is_none(),
+        "CRI still resolves a deleted tag"
+    );
+    assert!(
+        cri_image_status(s.c.socket(), &b).await.is_some(),
+        "deleting tag a took tag b's replica"
+    );
+
+    // By digest (what `crane delete` sends): every tag of that manifest.
+    let mut del = peer_bin("crane", "crane").unwrap();
+    del.args(["delete", "--insecure", &b]);
+    run(del, "crane delete");
+    assert!(
+        get_image(s.c.socket(), SRC, &b).await.is_none(),
+        "the record is still there"
+    );
+    assert!(
+        cri_image_status(s.c.socket(), &b).await.is_none(),
+        "CRI still resolves a deleted manifest's tag"
+    );
+    let left = imgbridge::containerd::Containerd::new(s.c.socket())
+        .list_images(K8S, vec!["name~=\"reg-del\"".into()])
+        .await
+        .unwrap();
+    assert!(
+        left.is_empty(),
+        "replicas left after the delete: {:?}",
+        left.iter().map(|i| &i.name).collect::<Vec<_>>()
+    );
+}
+
 /// buildctl builds and pushes (`push=true`) into the endpoint; buildkit
 /// works in a namespace imgbridge does not replicate, so the pod runs
 /// through the registry path alone. Blobs buildkit's containerd already
@@ -549,36 +615,63 @@ async fn buildctl_push_runs_at_once() {
     );
 }
 
-/// A non-image artefact (a Helm chart's media types) is stored, listed
-/// and served, and never given to CRI: no replica, no ImageStatus.
+/// `helm push` of a real chart (`helm create`, `helm package`): stored,
+/// listed, pulled back byte for byte by `helm pull`, and never given to
+/// CRI: no replica, no ImageStatus.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn artefact_is_stored_and_listed_never_given_to_cri() {
+async fn helm_chart_is_stored_and_listed_never_given_to_cri() {
+    if peer("helm").is_none() {
+        return;
+    }
     let s = start("");
+    let work = tempdir("helm-");
+    let helm = |args: &[&str]| {
+        let mut c = peer_bin("helm", "helm").unwrap();
+        let home = work.path().join("home");
+        c.current_dir(work.path())
+            .args(args)
+            .env("HOME", &home)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"));
+        run(c, &format!("helm {args:?}"))
+    };
+    helm(&["create", "demo"]);
+    helm(&["package", "demo", "--version", "0.1.0"]);
+    let oci = format!("oci://{}/charts", s.addr);
+    helm(&["push", "demo-0.1.0.tgz", &oci, "--plain-http"]);
+
     let repo = "charts/demo";
-    let config = push_blob(&s.addr, repo, b"{\"name\":\"demo\",\"version\":\"0.1.0\"}");
-    let chart = push_blob(&s.addr, repo, b"not really a chart tarball");
-    let manifest = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "config": {"mediaType": "application/vnd.cncf.helm.config.v1+json", "digest": config, "size": 34},
-        "layers": [{"mediaType": "application/vnd.cncf.helm.chart.content.v1.tar+gzip", "digest": chart, "size": 26}]
-    })
-    .to_string();
-    let r = put_manifest(&s.addr, repo, "0.1.0", OCI_MANIFEST, manifest.as_bytes());
-    assert_eq!(r.status, 201, "{}", r.text());
     let tags = http(&s.addr, "GET", &format!("/v2/{repo}/tags/list"), &[], b"");
     assert_eq!(tags.status, 200);
     let tags: serde_json::Value = serde_json::from_slice(&tags.body).unwrap();
     assert_eq!(tags["tags"], serde_json::json!(["0.1.0"]));
-    let got = http(
-        &s.addr,
-        "GET",
-        &format!("/v2/{repo}/manifests/0.1.0"),
-        &[],
-        b"",
+    let chart = format!("{oci}/demo");
+    let shown = helm(&[
+        "show",
+        "chart",
+        &chart,
+        "--version",
+        "0.1.0",
+        "--plain-http",
+    ]);
+    assert!(shown.contains("name: demo"), "helm show chart:\n{shown}");
+    let out = work.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    helm(&[
+        "pull",
+        &chart,
+        "--version",
+        "0.1.0",
+        "--plain-http",
+        "-d",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read(out.join("demo-0.1.0.tgz")).unwrap(),
+        std::fs::read(work.path().join("demo-0.1.0.tgz")).unwrap(),
+        "helm pull gave back other bytes than were pushed"
     );
-    assert_eq!(got.status, 200);
-    assert_eq!(got.body, manifest.as_bytes());
     let name = format!("{}/{repo}:0.1.0", s.addr);
     assert_stored_never_given_to_cri(s.c.socket(), &name).await;
 }

@@ -389,7 +389,7 @@ impl Registry {
 
     /// DELETE by tag drops that tag; by digest, every record of the
     /// repository naming that manifest. containerd's GC then collects what
-    /// no record holds.
+    /// no record holds; replicas follow `delete_policy`.
     pub(super) async fn delete_manifest(&self, name: &str, r: &str) -> Result<Response<Body>> {
         let reference = Reference::parse(r)?;
         let doomed: Vec<Image> = self
@@ -409,6 +409,12 @@ impl Registry {
         }
         for i in doomed {
             self.c.delete_image(self.ns(), &i.name, false).await?;
+            // What an `Images.Delete` through the proxy gets: the replicas
+            // follow `delete_policy` before the reply. The record is gone
+            // either way; a failure is the catch-up pass's to finish.
+            if let Err(e) = self.replicator.on_delete(self.ns(), &i.name).await {
+                tracing::warn!(image = %i.name, error = %e, "applying delete_policy failed; the next catch-up pass retries");
+            }
         }
         Ok(answer(StatusCode::ACCEPTED, &[]))
     }

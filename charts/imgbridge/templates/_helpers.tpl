@@ -75,6 +75,14 @@ them are the same in both); import.dirs as an array of inline tables.
 {{- $m := get $c "metrics" | default dict -}}
 {{- $_ := set $m "listen" (printf "0.0.0.0:%v" .Values.metrics.port) -}}
 {{- $_ := set $c "metrics" $m -}}
+{{- if .Values.registry.enabled -}}
+{{- if not .Values.hostNetwork -}}
+{{- fail "registry.enabled needs hostNetwork: true (the endpoint listens on the node's loopback, where containerd and the tools on the node reach it)" -}}
+{{- end -}}
+{{- $g := get $c "registry" | default dict -}}
+{{- $_ := set $g "listen" (printf "127.0.0.1:%v" .Values.registry.port) -}}
+{{- $_ := set $c "registry" $g -}}
+{{- end -}}
 {{- $l := get $c "log" | default dict -}}
 {{- $_ := set $l "format" .Values.log.format -}}
 {{- $_ := set $l "filter" .Values.log.filter -}}
@@ -107,4 +115,9 @@ dirs = []
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* Where tools push: registry.localRegistryHosting.host, else the node's loopback. */}}
+{{- define "imgbridge.registryHost" -}}
+{{- .Values.registry.localRegistryHosting.host | default (printf "localhost:%v" .Values.registry.port) -}}
 {{- end -}}
