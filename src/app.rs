@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::net::UnixListener;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -95,21 +96,7 @@ pub async fn serve(
             stop.clone(),
         )));
     }
-    if !config.registry.listen.is_empty() {
-        // Bound before the proxy serves: a port in use fails the start.
-        let l = crate::registry::bind(&config.registry.listen).await?;
-        let local = l
-            .local_addr()
-            .map_err(|source| crate::registry::BindError::new(&config.registry.listen, source))?;
-        let reg = crate::registry::Registry::new(
-            containerd.new_connection(),
-            replicator.clone(),
-            crate::registry::Settings::from_config(&config),
-            local,
-            Some(ops.metrics.clone()),
-        );
-        tasks.push(tokio::spawn(crate::registry::serve(l, reg, stop.clone())));
-    }
+    tasks.extend(start_registry(&config, &containerd, &replicator, &ops, &stop).await?);
     pc.observer = Some(ops.metrics.clone());
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));
     let result = proxy::serve(listener, pc, hooks, shutdown).await;
@@ -119,6 +106,36 @@ pub async fn serve(
         let _ = t.await;
     }
     Ok(result?)
+}
+
+/// Starts the registry endpoint if `registry.listen` is set.
+async fn start_registry(
+    config: &Config,
+    containerd: &Containerd,
+    replicator: &Arc<Replicator>,
+    ops: &Ops,
+    stop: &CancellationToken,
+) -> Result<Option<JoinHandle<()>>, ServeError> {
+    if config.registry.listen.is_empty() {
+        return Ok(None);
+    }
+    // Bound before the proxy serves: a port in use fails the start.
+    let l = crate::registry::bind(&config.registry.listen).await?;
+    let local = l
+        .local_addr()
+        .map_err(|source| crate::registry::BindError::new(&config.registry.listen, source))?;
+    let reg = crate::registry::Registry::new(
+        containerd.new_connection(),
+        replicator.clone(),
+        crate::registry::Settings::from_config(config),
+        local,
+        Some(ops.metrics.clone()),
+    );
+    Ok(Some(tokio::spawn(crate::registry::serve(
+        l,
+        reg,
+        stop.clone(),
+    ))))
 }
 
 /// containerd's ttrpc socket sits next to the gRPC one.

@@ -16,39 +16,33 @@ use crate::containerd::Image;
 /// Invalid or refused lines of one list logged one by one; the rest are counted.
 const MAX_LOGGED: usize = 10;
 
+/// One version of an archive being imported: what every outcome records.
+struct ArchiveRun {
+    path: PathBuf,
+    stamp: Stamp,
+    hash: String,
+    ns: String,
+    /// What the state file knew of the file before this import.
+    prev: Option<FileState>,
+}
+
 impl Importer {
     pub(super) async fn import_archive(&mut self, path: PathBuf, stamp: Stamp, p: Pending) {
-        let root = p.root;
-        let ns = self.dir(root).namespace.clone();
+        let ns = self.dir(p.root).namespace.clone();
         let prev = self.state.files.get(&path).cloned();
-        if !p.force {
-            if let Some(prev) = &prev {
-                if prev.stamp() == stamp {
-                    self.count(Count::Skipped, 1);
-                    return;
-                }
-                if prev.size == stamp.size
-                    && prev.sha256.is_some()
-                    && self.same_bytes(&path, prev).await
-                {
-                    tracing::info!(file = %esc(path.display()), "touched but unchanged; not importing again");
-                    if let Some(f) = self.state.files.get_mut(&path) {
-                        f.mtime_ns = stamp.mtime_ns;
-                    }
-                    self.state_dirty = true;
-                    self.count(Count::Skipped, 1);
-                    return;
-                }
-            }
+        if !p.force && self.archive_unchanged(&path, stamp, prev.as_ref()).await {
+            return;
         }
-        let hash = pin::path_hash(&path);
-        let source = self.cfg.pin.then_some(hash.as_str());
+        let run = ArchiveRun {
+            hash: pin::path_hash(&path),
+            path,
+            stamp,
+            ns,
+            prev,
+        };
+        let source = self.cfg.pin.then_some(run.hash.as_str());
         if source.is_some() {
-            let begun = prev.clone().unwrap_or_else(|| {
-                FileState::new(FileKind::Archive, hash.clone(), ns.clone(), stamp)
-            });
-            self.record(path.clone(), begun.importing());
-            self.save_state();
+            self.record_importing(&run);
         }
         let opts = ReadOptions {
             limits: Limits {
@@ -57,106 +51,176 @@ impl Importer {
             },
             hash_input: true,
         };
-        tracing::info!(file = %esc(path.display()), size_mib = stamp.size >> 20, namespace = %ns, "importing");
+        tracing::info!(file = %esc(run.path.display()), size_mib = stamp.size >> 20, namespace = %run.ns, "importing");
         let started = Instant::now();
-        let res = write::import_archive(&self.c, &ns, &path, opts, source).await;
+        let res = write::import_archive(&self.c, &run.ns, &run.path, opts, source).await;
         let secs = format!("{:.1}", started.elapsed().as_secs_f64());
         match res {
-            Ok(o) => {
-                for w in &o.warnings {
-                    tracing::warn!(file = %esc(path.display()), warning = %esc(w), "archive warning");
-                }
-                for f in &o.failures {
-                    tracing::error!(file = %esc(path.display()), error = %esc(f), "image not imported");
-                }
-                self.count(Count::Images, o.images.len() as u64);
-                self.count(Count::Pinned, o.pinned);
-                self.count(Count::Failed, o.failures.len() as u64);
-                match o.failures.as_slice() {
-                    [] => self.file_ok(&path, ""),
-                    [one] => self.file_failed(&path, "", one),
-                    [first, rest @ ..] => {
-                        let more = format!("{first} (and {} more)", rest.len());
-                        self.file_failed(&path, "", &more)
-                    }
-                }
-                // Last: a reader that sees the file counted sees its images.
-                self.count(Count::Imported, 1);
-                let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
-                tracing::info!(
-                    file = %esc(path.display()),
-                    size_mib = stamp.size >> 20,
-                    images = ?images.keys().collect::<Vec<_>>(),
-                    failures = o.failures.len(),
-                    secs,
-                    "imported"
-                );
-                if let Some(prev) = &prev {
-                    let gone: Vec<String> = prev
-                        .images
-                        .keys()
-                        .filter(|n| !images.contains_key(*n))
-                        .cloned()
-                        .collect();
-                    self.unpin_names(&path, prev, &gone).await;
-                }
-                let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
-                self.record(
-                    path.clone(),
-                    FileState {
-                        sha256: o.raw_sha256,
-                        images,
-                        error,
-                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
-                    },
-                );
-                // Changed while we read it: look again once it settles.
-                if std::fs::metadata(&path).ok().map(|m| Stamp::of(&m)) != Some(stamp) {
-                    let debounce = self.cfg.debounce;
-                    self.pend(root, path, None, false, debounce);
-                }
-            }
+            Ok(o) => self.archive_imported(run, o, secs, p.root).await,
             Err(super::ImportError::Io { source, .. }) if open::is_not_regular(&source) => {
-                // Not read, nothing pinned: what was known stands.
-                match prev {
-                    Some(prev) => self.record(path.clone(), prev),
-                    None if self.state.files.remove(&path).is_some() => self.state_dirty = true,
-                    None => {}
-                }
-                self.refuse(&path, stamp, &source);
+                self.archive_not_regular(run, &source)
             }
-            Err(e) if e.is_transient() => {
-                let delay = super::RETRY.nth(p.attempt);
-                tracing::warn!(file = %esc(path.display()), error = %esc(&e), retry_in = ?delay, "import failed; will retry");
-                self.count(Count::Failed, 1);
-                self.file_failed(&path, "", &format_args!("{e} (retrying in {delay:?})"));
-                self.pending.insert(
-                    path,
-                    Pending {
-                        due: Instant::now() + delay,
-                        stamp: Some(stamp),
-                        attempt: p.attempt + 1,
-                        ..p
-                    },
-                );
+            Err(e) if e.is_transient() => self.archive_retry(run, p, &e),
+            Err(e) => self.archive_failed(run, &e, secs),
+        }
+    }
+
+    /// Whether the file is as last imported (same stamp, or only touched):
+    /// then it is counted skipped, and a touch's new mtime recorded.
+    async fn archive_unchanged(
+        &mut self,
+        path: &Path,
+        stamp: Stamp,
+        prev: Option<&FileState>,
+    ) -> bool {
+        let Some(prev) = prev else {
+            return false;
+        };
+        if prev.stamp() == stamp {
+            self.count(Count::Skipped, 1);
+            return true;
+        }
+        if prev.size == stamp.size && prev.sha256.is_some() && self.same_bytes(path, prev).await {
+            tracing::info!(file = %esc(path.display()), "touched but unchanged; not importing again");
+            if let Some(f) = self.state.files.get_mut(path) {
+                f.mtime_ns = stamp.mtime_ns;
             }
-            Err(e) => {
-                tracing::error!(file = %esc(path.display()), error = %esc(&e), secs, "import failed; the file is skipped until it changes");
-                self.count(Count::Failed, 1);
-                self.file_failed(&path, "", &e);
-                // Images an earlier version provided stay pinned until the
-                // file is fixed or removed.
-                let images = prev.map(|p| p.images).unwrap_or_default();
-                self.record(
-                    path,
-                    FileState {
-                        images,
-                        error: Some(e.to_string()),
-                        ..FileState::new(FileKind::Archive, hash, ns, stamp)
-                    },
-                );
+            self.state_dirty = true;
+            self.count(Count::Skipped, 1);
+            return true;
+        }
+        false
+    }
+
+    /// Marks the file as being imported, saved before any image is pinned
+    /// to it.
+    fn record_importing(&mut self, run: &ArchiveRun) {
+        let begun = run.prev.clone().unwrap_or_else(|| {
+            FileState::new(
+                FileKind::Archive,
+                run.hash.clone(),
+                run.ns.clone(),
+                run.stamp,
+            )
+        });
+        self.record(run.path.clone(), begun.importing());
+        self.save_state();
+    }
+
+    /// The archive was read: its images are counted and recorded, the ones
+    /// an earlier version provided and this one lacks unpinned.
+    async fn archive_imported(
+        &mut self,
+        run: ArchiveRun,
+        o: write::ArchiveOutcome,
+        secs: String,
+        root: usize,
+    ) {
+        let ArchiveRun {
+            path,
+            stamp,
+            hash,
+            ns,
+            prev,
+        } = run;
+        for w in &o.warnings {
+            tracing::warn!(file = %esc(path.display()), warning = %esc(w), "archive warning");
+        }
+        for f in &o.failures {
+            tracing::error!(file = %esc(path.display()), error = %esc(f), "image not imported");
+        }
+        self.count(Count::Images, o.images.len() as u64);
+        self.count(Count::Pinned, o.pinned);
+        self.count(Count::Failed, o.failures.len() as u64);
+        match o.failures.as_slice() {
+            [] => self.file_ok(&path, ""),
+            [one] => self.file_failed(&path, "", one),
+            [first, rest @ ..] => {
+                let more = format!("{first} (and {} more)", rest.len());
+                self.file_failed(&path, "", &more)
             }
         }
+        // Last: a reader that sees the file counted sees its images.
+        self.count(Count::Imported, 1);
+        let images: BTreeMap<String, String> = o.images.iter().cloned().collect();
+        tracing::info!(
+            file = %esc(path.display()),
+            size_mib = stamp.size >> 20,
+            images = ?images.keys().collect::<Vec<_>>(),
+            failures = o.failures.len(),
+            secs,
+            "imported"
+        );
+        if let Some(prev) = &prev {
+            let gone: Vec<String> = prev
+                .images
+                .keys()
+                .filter(|n| !images.contains_key(*n))
+                .cloned()
+                .collect();
+            self.unpin_names(&path, prev, &gone).await;
+        }
+        let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
+        self.record(
+            path.clone(),
+            FileState {
+                sha256: o.raw_sha256,
+                images,
+                error,
+                ..FileState::new(FileKind::Archive, hash, ns, stamp)
+            },
+        );
+        // Changed while we read it: look again once it settles.
+        if std::fs::metadata(&path).ok().map(|m| Stamp::of(&m)) != Some(stamp) {
+            let debounce = self.cfg.debounce;
+            self.pend(root, path, None, false, debounce);
+        }
+    }
+
+    /// The path is not a regular file (any more).
+    fn archive_not_regular(&mut self, run: ArchiveRun, e: &std::io::Error) {
+        // Not read, nothing pinned: what was known stands.
+        match run.prev {
+            Some(prev) => self.record(run.path.clone(), prev),
+            None if self.state.files.remove(&run.path).is_some() => self.state_dirty = true,
+            None => {}
+        }
+        self.refuse(&run.path, run.stamp, e);
+    }
+
+    /// A failure that may pass (containerd away): tried again after a backoff.
+    fn archive_retry(&mut self, run: ArchiveRun, p: Pending, e: &super::ImportError) {
+        let delay = super::RETRY.nth(p.attempt);
+        tracing::warn!(file = %esc(run.path.display()), error = %esc(e), retry_in = ?delay, "import failed; will retry");
+        self.count(Count::Failed, 1);
+        self.file_failed(&run.path, "", &format_args!("{e} (retrying in {delay:?})"));
+        self.pending.insert(
+            run.path,
+            Pending {
+                due: Instant::now() + delay,
+                stamp: Some(run.stamp),
+                attempt: p.attempt + 1,
+                ..p
+            },
+        );
+    }
+
+    /// A failure this version of the file will not get past.
+    fn archive_failed(&mut self, run: ArchiveRun, e: &super::ImportError, secs: String) {
+        tracing::error!(file = %esc(run.path.display()), error = %esc(e), secs, "import failed; the file is skipped until it changes");
+        self.count(Count::Failed, 1);
+        self.file_failed(&run.path, "", e);
+        // Images an earlier version provided stay pinned until the
+        // file is fixed or removed.
+        let images = run.prev.map(|p| p.images).unwrap_or_default();
+        self.record(
+            run.path,
+            FileState {
+                images,
+                error: Some(e.to_string()),
+                ..FileState::new(FileKind::Archive, run.hash, run.ns, run.stamp)
+            },
+        );
     }
 
     /// Whether the file still has the bytes recorded (a `touch` is no change).
@@ -186,65 +250,11 @@ impl Importer {
             return;
         }
         let hash = pin::path_hash(&path);
-        // Reading and parsing are proportional to the file: off the async
-        // runtime, so the proxy never waits for them.
-        let started = Instant::now();
-        let p2 = path.clone();
-        let list = match open::in_background(move || pull::read(&p2)).await {
-            Some(Ok(l)) => l,
-            Some(Err(e)) if open::is_not_regular(&e) => {
-                self.refuse(&path, stamp, &e);
-                return;
-            }
-            Some(Err(e)) => {
-                tracing::error!(file = %esc(path.display()), error = %esc(&e), "cannot read pull list");
-                self.count(Count::Failed, 1);
-                self.file_failed(&path, "", &e);
-                return;
-            }
-            None => {
-                tracing::error!(file = %esc(path.display()), "pull list parser failed");
-                self.count(Count::Failed, 1);
-                self.file_failed(&path, "", &"pull list parser failed");
-                return;
-            }
+        let Some(mut list) = self.read_list(&path, stamp).await else {
+            return;
         };
-        tracing::info!(
-            file = %esc(path.display()),
-            references = list.refs.len(),
-            invalid = list.invalid.len(),
-            ms = started.elapsed().as_millis() as u64,
-            "pull list parsed"
-        );
-        // Lines are named by number and reason, never quoted: a list may be
-        // a symlink to any file. A few are logged, then a count.
-        for (line, _, e) in list.invalid.iter().take(MAX_LOGGED) {
-            tracing::warn!(file = %esc(path.display()), line, reason = pull::invalid_reason(e), "invalid reference in pull list; not pulled");
-        }
-        if list.invalid.len() > MAX_LOGGED {
-            tracing::warn!(file = %esc(path.display()), more = list.invalid.len() - MAX_LOGGED, "more invalid references in pull list");
-        }
-        self.count(Count::Failed, list.invalid.len() as u64);
-        let policy = pull::HostPolicy {
-            allow: self.cfg.pull_hosts_allow.clone(),
-            deny: self.cfg.pull_hosts_deny.clone(),
-        };
-        let mut list = list;
-        let mut refused = Vec::new();
-        list.refs.retain(|r| match policy.check(r) {
-            Ok(()) => true,
-            Err(why) => {
-                refused.push((r.clone(), why));
-                false
-            }
-        });
-        for (r, why) in refused.iter().take(MAX_LOGGED) {
-            tracing::warn!(file = %esc(path.display()), image = %esc(r), reason = %esc(why), "pull refused");
-        }
-        if refused.len() > MAX_LOGGED {
-            tracing::warn!(file = %esc(path.display()), more = refused.len() - MAX_LOGGED, "more pulls refused");
-        }
-        self.count(Count::Failed, refused.len() as u64);
+        self.log_invalid_lines(&path, &list);
+        let refused = self.refuse_hosts(&path, &mut list);
         match (list.invalid.first(), refused.first()) {
             (Some((line, _, e)), _) => self.file_failed(
                 &path,
@@ -257,21 +267,7 @@ impl Importer {
             // A new version of the list: its pulls start over.
             (None, None) => self.file_ok(&path, ""),
         }
-        let wanted: HashSet<&String> = list.refs.iter().collect();
-        let mut images = prev.as_ref().map(|f| f.images.clone()).unwrap_or_default();
-        if let Some(prev) = &prev {
-            let gone: Vec<String> = prev
-                .images
-                .keys()
-                .filter(|n| !wanted.contains(n))
-                .cloned()
-                .collect();
-            if !gone.is_empty() {
-                tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", gone)), "left the pull list");
-            }
-            self.unpin_names(&path, prev, &gone).await;
-            images.retain(|n, _| wanted.contains(n));
-        }
+        let images = self.drop_unlisted(&path, prev.as_ref(), &list.refs).await;
         let error = (!list.invalid.is_empty() || !refused.is_empty()).then(|| {
             format!(
                 "{} invalid lines, {} references refused",
@@ -287,11 +283,117 @@ impl Importer {
                 ..FileState::new(FileKind::List, hash, pull::CRI_NAMESPACE.into(), stamp)
             },
         );
+        self.start_list(path, list.refs);
+    }
+
+    /// Reads and parses a list, or says why not (and returns `None`).
+    async fn read_list(&mut self, path: &Path, stamp: Stamp) -> Option<pull::PullList> {
+        // Reading and parsing are proportional to the file: off the async
+        // runtime, so the proxy never waits for them.
+        let started = Instant::now();
+        let p2 = path.to_path_buf();
+        let list = match open::in_background(move || pull::read(&p2)).await {
+            Some(Ok(l)) => l,
+            Some(Err(e)) if open::is_not_regular(&e) => {
+                self.refuse(path, stamp, &e);
+                return None;
+            }
+            Some(Err(e)) => {
+                tracing::error!(file = %esc(path.display()), error = %esc(&e), "cannot read pull list");
+                self.count(Count::Failed, 1);
+                self.file_failed(path, "", &e);
+                return None;
+            }
+            None => {
+                tracing::error!(file = %esc(path.display()), "pull list parser failed");
+                self.count(Count::Failed, 1);
+                self.file_failed(path, "", &"pull list parser failed");
+                return None;
+            }
+        };
+        tracing::info!(
+            file = %esc(path.display()),
+            references = list.refs.len(),
+            invalid = list.invalid.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "pull list parsed"
+        );
+        Some(list)
+    }
+
+    /// Logs and counts the lines that are no reference.
+    fn log_invalid_lines(&self, path: &Path, list: &pull::PullList) {
+        // Lines are named by number and reason, never quoted: a list may be
+        // a symlink to any file. A few are logged, then a count.
+        for (line, _, e) in list.invalid.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), line, reason = pull::invalid_reason(e), "invalid reference in pull list; not pulled");
+        }
+        if list.invalid.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = list.invalid.len() - MAX_LOGGED, "more invalid references in pull list");
+        }
+        self.count(Count::Failed, list.invalid.len() as u64);
+    }
+
+    /// Takes the references the host policy refuses out of `list`; logs
+    /// and counts them, and returns them with the reason.
+    fn refuse_hosts(&self, path: &Path, list: &mut pull::PullList) -> Vec<(String, String)> {
+        let policy = pull::HostPolicy {
+            allow: self.cfg.pull_hosts_allow.clone(),
+            deny: self.cfg.pull_hosts_deny.clone(),
+        };
+        let mut refused = Vec::new();
+        list.refs.retain(|r| match policy.check(r) {
+            Ok(()) => true,
+            Err(why) => {
+                refused.push((r.clone(), why));
+                false
+            }
+        });
+        for (r, why) in refused.iter().take(MAX_LOGGED) {
+            tracing::warn!(file = %esc(path.display()), image = %esc(r), reason = %esc(why), "pull refused");
+        }
+        if refused.len() > MAX_LOGGED {
+            tracing::warn!(file = %esc(path.display()), more = refused.len() - MAX_LOGGED, "more pulls refused");
+        }
+        self.count(Count::Failed, refused.len() as u64);
+        refused
+    }
+
+    /// Unpins the images an earlier version of the list had pulled that
+    /// this one no longer names; returns the ones it still does.
+    async fn drop_unlisted(
+        &mut self,
+        path: &Path,
+        prev: Option<&FileState>,
+        refs: &[String],
+    ) -> BTreeMap<String, String> {
+        let Some(prev) = prev else {
+            return BTreeMap::new();
+        };
+        let wanted: HashSet<&String> = refs.iter().collect();
+        let mut images = prev.images.clone();
+        let gone: Vec<String> = prev
+            .images
+            .keys()
+            .filter(|n| !wanted.contains(n))
+            .cloned()
+            .collect();
+        if !gone.is_empty() {
+            tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", gone)), "left the pull list");
+        }
+        self.unpin_names(path, prev, &gone).await;
+        images.retain(|n, _| wanted.contains(n));
+        images
+    }
+
+    /// Cancels the pulls of the list's previous version and starts this
+    /// one's, if it names any.
+    fn start_list(&mut self, path: PathBuf, refs: Vec<String>) {
         if let Some(t) = self.lists.remove(&path) {
             t.cancel.cancel();
         }
-        tracing::info!(file = %esc(path.display()), references = list.refs.len(), "processing pull list");
-        if list.refs.is_empty() {
+        tracing::info!(file = %esc(path.display()), references = refs.len(), "processing pull list");
+        if refs.is_empty() {
             return;
         }
         self.generation += 1;
@@ -307,7 +409,7 @@ impl Importer {
             self.c.clone(),
             path,
             self.generation,
-            list.refs,
+            refs,
             self.cfg.pull_attempts,
             self.pull_tx.clone(),
             cancel,

@@ -144,6 +144,52 @@ async fn read_limited(mut body: Incoming, max: u64) -> Result<Option<Bytes>> {
     Ok(Some(buf.into()))
 }
 
+/// The manifest's media type: its own `mediaType`, else the request's
+/// Content-Type; the two must agree, and it must be a manifest or index.
+fn manifest_media_type(doc: &Value, content_type: Option<String>) -> Result<String> {
+    let declared_type = doc["mediaType"].as_str().filter(|t| !t.is_empty());
+    let media_type = match (declared_type, &content_type) {
+        (Some(d), Some(c)) if d != c => {
+            return Err(Error::new(
+                Code::ManifestInvalid,
+                format!("Content-Type {c} but the manifest says mediaType {d}"),
+            ))
+        }
+        (Some(d), _) => d.to_string(),
+        (None, Some(c)) => c.clone(),
+        (None, None) => {
+            return Err(Error::new(
+                Code::ManifestInvalid,
+                "no manifest media type (neither Content-Type nor mediaType)",
+            ))
+        }
+    };
+    if !is_manifest_type(&media_type) {
+        return Err(Error::new(
+            Code::ManifestInvalid,
+            format!("unsupported manifest media type {media_type}"),
+        ));
+    }
+    Ok(media_type)
+}
+
+/// The body's digest; a PUT by digest must name the body's own.
+fn manifest_digest(reference: &Reference, body: &[u8]) -> Result<Digest> {
+    match reference {
+        Reference::Digest(d) => {
+            let got = Digest::of(d.algorithm(), body);
+            if &got != d {
+                return Err(Error::new(
+                    Code::DigestInvalid,
+                    format!("manifest PUT as {d} but its digest is {got}"),
+                ));
+            }
+            Ok(got)
+        }
+        Reference::Tag(_) => Ok(Digest::of("sha256", body)),
+    }
+}
+
 impl Registry {
     pub(super) async fn put_manifest(
         self: &Arc<Self>,
@@ -153,6 +199,46 @@ impl Registry {
     ) -> Result<Response<Body>> {
         let reference = Reference::parse(r)?;
         let host = self.push_host(&req)?;
+        let (body, content_type) = self.read_manifest(req).await?;
+        let doc: Value = serde_json::from_slice(&body)
+            .map_err(|e| Error::new(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
+        let media_type = manifest_media_type(&doc, content_type)?;
+        let digest = manifest_digest(&reference, &body)?;
+        let parsed = parse(&doc, &media_type)?;
+        self.check_children(&parsed).await?;
+        // The manifest, under a lease until its record holds it.
+        let lease = self.c.create_lease(self.ns(), MANIFEST_LEASE).await?;
+        let stored = self
+            .store_manifest(name, &reference, &host, &body, &digest, &parsed, &lease)
+            .await;
+        let mut release = vec![lease];
+        let record = match stored {
+            Ok(record) => record,
+            Err(e) => {
+                super::session::release(&self.c, self.ns(), release).await;
+                return Err(e);
+            }
+        };
+        let children: Vec<String> = parsed.children.iter().map(|c| c.digest.clone()).collect();
+        release.extend(self.held.take(&children));
+        super::session::release(&self.c, self.ns(), release).await;
+        if parsed.image && matches!(reference, Reference::Tag(_)) {
+            self.replicate_pushed(&record).await?;
+        }
+        let mut headers = vec![
+            ("location", format!("/v2/{name}/manifests/{digest}")),
+            ("docker-content-digest", digest.to_string()),
+        ];
+        if let Some(s) = &parsed.subject {
+            headers.push(("oci-subject", s.clone()));
+        }
+        Ok(answer(StatusCode::CREATED, &headers))
+    }
+
+    /// The PUT's body, refused past `registry.max_manifest_bytes` (by its
+    /// Content-Length before reading any of it), and its manifest
+    /// Content-Type if it names one.
+    async fn read_manifest(&self, req: Request<Incoming>) -> Result<(Bytes, Option<String>)> {
         let too_big = || {
             Error::new(
                 Code::ManifestInvalid,
@@ -179,45 +265,11 @@ impl Registry {
         let body = read_limited(req.into_body(), self.s.max_manifest)
             .await?
             .ok_or_else(too_big)?;
-        let doc: Value = serde_json::from_slice(&body)
-            .map_err(|e| Error::new(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
-        let declared_type = doc["mediaType"].as_str().filter(|t| !t.is_empty());
-        let media_type = match (declared_type, &content_type) {
-            (Some(d), Some(c)) if d != c => {
-                return Err(Error::new(
-                    Code::ManifestInvalid,
-                    format!("Content-Type {c} but the manifest says mediaType {d}"),
-                ))
-            }
-            (Some(d), _) => d.to_string(),
-            (None, Some(c)) => c.clone(),
-            (None, None) => {
-                return Err(Error::new(
-                    Code::ManifestInvalid,
-                    "no manifest media type (neither Content-Type nor mediaType)",
-                ))
-            }
-        };
-        if !is_manifest_type(&media_type) {
-            return Err(Error::new(
-                Code::ManifestInvalid,
-                format!("unsupported manifest media type {media_type}"),
-            ));
-        }
-        let digest = match &reference {
-            Reference::Digest(d) => {
-                let got = Digest::of(d.algorithm(), &body);
-                if &got != d {
-                    return Err(Error::new(
-                        Code::DigestInvalid,
-                        format!("manifest PUT as {d} but its digest is {got}"),
-                    ));
-                }
-                got
-            }
-            Reference::Tag(_) => Digest::of("sha256", &body),
-        };
-        let parsed = parse(&doc, &media_type)?;
+        Ok((body, content_type))
+    }
+
+    /// Every child the manifest needs must have been pushed first.
+    async fn check_children(&self, parsed: &Parsed) -> Result<()> {
         for c in parsed.children.iter().filter(|c| c.required) {
             let d = Digest::parse(&c.digest)?;
             if self.blob_size(&d).await?.is_none() {
@@ -227,43 +279,23 @@ impl Registry {
                 ));
             }
         }
-        // The manifest, under a lease until its record holds it.
-        let lease = self.c.create_lease(self.ns(), MANIFEST_LEASE).await?;
-        let stored = self
-            .store_manifest(name, &reference, &host, &body, &digest, &parsed, &lease)
-            .await;
-        let mut release = vec![lease];
-        let record = match stored {
-            Ok(record) => record,
-            Err(e) => {
-                super::session::release(&self.c, self.ns(), release).await;
-                return Err(e);
-            }
-        };
-        let children: Vec<String> = parsed.children.iter().map(|c| c.digest.clone()).collect();
-        release.extend(self.held.take(&children));
-        super::session::release(&self.c, self.ns(), release).await;
-        if parsed.image && matches!(reference, Reference::Tag(_)) {
-            let root = record.target.clone();
-            self.replicator
-                .on_write("registry PUT manifest", self.ns(), &record.name, root)
-                .await
-                .map_err(|st| {
-                    let code = match st.code() {
-                        tonic::Code::FailedPrecondition => Code::Denied,
-                        _ => Code::Unknown,
-                    };
-                    Error::new(code, st.message().to_string())
-                })?;
-        }
-        let mut headers = vec![
-            ("location", format!("/v2/{name}/manifests/{digest}")),
-            ("docker-content-digest", digest.to_string()),
-        ];
-        if let Some(s) = &parsed.subject {
-            headers.push(("oci-subject", s.clone()));
-        }
-        Ok(answer(StatusCode::CREATED, &headers))
+        Ok(())
+    }
+
+    /// Holds the reply until the replicator has made the pushed image
+    /// usable; its refusal is the client's error.
+    async fn replicate_pushed(&self, record: &Image) -> Result<()> {
+        let root = record.target.clone();
+        self.replicator
+            .on_write("registry PUT manifest", self.ns(), &record.name, root)
+            .await
+            .map_err(|st| {
+                let code = match st.code() {
+                    tonic::Code::FailedPrecondition => Code::Denied,
+                    _ => Code::Unknown,
+                };
+                Error::new(code, st.message().to_string())
+            })
     }
 
     /// Writes the manifest blob (with its GC labels) and its record.

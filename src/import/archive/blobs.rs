@@ -157,53 +157,18 @@ impl Walker<'_> {
         if keep && self.retained + size as usize > self.limits.metadata_budget {
             return Err(ArchiveError::MetadataBudget(self.limits.metadata_budget));
         }
-        let digest;
-        let mut data = None;
-        if keep {
+        let (digest, data) = if keep {
             let mut all = first;
             all.resize(size as usize, 0);
             read_full(r, &mut all[first_len..], &path)?;
             hasher.update(&all[first_len..]);
-            digest = hex_digest(hasher);
+            let digest = hex_digest(hasher);
             self.retained += all.len();
-            data = Some(Arc::new(all));
+            (digest, Some(Arc::new(all)))
         } else {
-            let sink_err = |msg: SinkError| ArchiveError::Sink {
-                path: path.clone(),
-                msg: msg.0,
-            };
-            let mut w = self
-                .sink
-                .start(expected.as_deref(), size)
-                .map_err(sink_err)?;
-            self.streamed += 1;
-            let mut done = first_len as u64;
-            if let Some(w) = &mut w {
-                w.write(first).map_err(sink_err)?;
-            }
-            self.report();
-            while done < size {
-                let n = ((size - done) as usize).min(CHUNK);
-                let mut buf = vec![0; n];
-                read_full(r, &mut buf, &path)?;
-                hasher.update(&buf);
-                if let Some(w) = &mut w {
-                    w.write(buf).map_err(sink_err)?;
-                }
-                done += n as u64;
-                self.report();
-            }
-            digest = hex_digest(hasher);
-            if expected.as_ref().is_some_and(|e| *e != digest) {
-                return Err(ArchiveError::DigestMismatch {
-                    path,
-                    actual: digest,
-                });
-            }
-            if let Some(w) = w {
-                w.finish(&digest).map_err(sink_err)?;
-            }
-        }
+            let digest = self.stream_blob(r, &path, size, first, hasher, expected.as_deref())?;
+            (digest, None)
+        };
         if expected.as_ref().is_some_and(|e| *e != digest) {
             return Err(ArchiveError::DigestMismatch {
                 path,
@@ -220,6 +185,53 @@ impl Walker<'_> {
             .or_insert(Blob { size, kind, data });
         self.paths.insert(path, digest);
         Ok(())
+    }
+
+    /// Streams the rest of a blob into the sink after its `first` chunk,
+    /// reporting progress per chunk; returns its digest, checked against
+    /// `expected` before the sink commits it.
+    fn stream_blob(
+        &mut self,
+        r: &mut impl Read,
+        path: &str,
+        size: u64,
+        first: Vec<u8>,
+        mut hasher: Sha256,
+        expected: Option<&str>,
+    ) -> Result<String, ArchiveError> {
+        let sink_err = |msg: SinkError| ArchiveError::Sink {
+            path: path.to_string(),
+            msg: msg.0,
+        };
+        let mut w = self.sink.start(expected, size).map_err(sink_err)?;
+        self.streamed += 1;
+        let mut done = first.len() as u64;
+        if let Some(w) = &mut w {
+            w.write(first).map_err(sink_err)?;
+        }
+        self.report();
+        while done < size {
+            let n = ((size - done) as usize).min(CHUNK);
+            let mut buf = vec![0; n];
+            read_full(r, &mut buf, path)?;
+            hasher.update(&buf);
+            if let Some(w) = &mut w {
+                w.write(buf).map_err(sink_err)?;
+            }
+            done += n as u64;
+            self.report();
+        }
+        let digest = hex_digest(hasher);
+        if expected.is_some_and(|e| e != digest) {
+            return Err(ArchiveError::DigestMismatch {
+                path: path.to_string(),
+                actual: digest,
+            });
+        }
+        if let Some(w) = w {
+            w.finish(&digest).map_err(sink_err)?;
+        }
+        Ok(digest)
     }
 
     /// Follows links from an archive path to the digest of a regular file.

@@ -15,76 +15,20 @@ use crate::reference;
 
 impl Walker<'_> {
     pub(super) fn resolve_docker(&self, entries: &[DockerEntry], r: &mut Resolved) {
-        'images: for (i, e) in entries.iter().enumerate() {
+        for (i, e) in entries.iter().enumerate() {
             let what = format!(
                 "image {} of manifest.json ({})",
                 i,
                 e.repo_tags.as_deref().unwrap_or_default().join(", ")
             );
-            let mut blobs = Vec::new();
-            let Some(cfg) = self.lookup(&e.config) else {
-                r.failures.push(format!(
-                    "{what}: config {:?} is not in the archive",
-                    e.config
-                ));
-                continue;
-            };
-            let cfg_blob = &self.blobs[cfg];
-            let config = Descriptor {
-                media_type: MT_DOCKER_CONFIG.into(),
-                digest: cfg.clone(),
-                size: cfg_blob.size as i64,
-            };
-            push_retained(&mut blobs, &config, cfg_blob, BTreeMap::new());
-            let mut labels = BTreeMap::new();
-            labels.insert(format!("{GC_REF}.config"), cfg.clone());
-            let mut layers = Vec::new();
-            for (li, l) in e.layers.iter().enumerate() {
-                let Some(d) = self.lookup(l) else {
-                    r.failures.push(format!(
-                        "{what}: names layer {l:?}, which is not in the archive"
-                    ));
-                    continue 'images;
-                };
-                let b = &self.blobs[d];
-                let media_type = match b.kind {
-                    Kind::Gzip => MT_DOCKER_LAYER_GZIP,
-                    Kind::Zstd => MT_DOCKER_LAYER_ZSTD,
-                    _ => MT_DOCKER_LAYER,
-                };
-                let desc = Descriptor {
-                    media_type: media_type.into(),
-                    digest: d.clone(),
-                    size: b.size as i64,
-                };
-                push_retained(&mut blobs, &desc, b, BTreeMap::new());
-                labels.insert(format!("{GC_REF}.l.{li}"), d.clone());
-                layers.push(desc);
-            }
-            let manifest = serde_json::json!({
-                "schemaVersion": 2,
-                "mediaType": MT_DOCKER_MANIFEST,
-                "config": desc_json(&config),
-                "layers": layers.iter().map(desc_json).collect::<Vec<_>>(),
-            });
-            let bytes = serde_json::to_vec(&manifest).unwrap_or_default();
-            let target = Descriptor {
-                media_type: MT_DOCKER_MANIFEST.into(),
-                digest: sha256_hex(&bytes),
-                size: bytes.len() as i64,
-            };
-            blobs.push(SmallBlob {
-                desc: target.clone(),
-                data: Arc::new(bytes),
-                labels,
-            });
-            let mut names = Vec::new();
-            for t in e.repo_tags.iter().flatten() {
-                match reference::normalize(t) {
-                    Ok(n) => names.push(n),
-                    Err(err) => r.warnings.push(format!("{what}: {err}")),
+            let (target, blobs) = match self.docker_image(e, &what) {
+                Ok(built) => built,
+                Err(failure) => {
+                    r.failures.push(failure);
+                    continue;
                 }
-            }
+            };
+            let names = docker_names(e, &what, &mut r.warnings);
             if names.is_empty() {
                 r.warnings
                     .push(format!("{what} has no usable RepoTags; not imported"));
@@ -97,6 +41,93 @@ impl Walker<'_> {
             });
         }
     }
+
+    /// Builds the entry's docker v2 manifest from its streamed config and
+    /// layers; returns it and the metadata blobs to write, or the failure.
+    fn docker_image(
+        &self,
+        e: &DockerEntry,
+        what: &str,
+    ) -> Result<(Descriptor, Vec<SmallBlob>), String> {
+        let mut blobs = Vec::new();
+        let Some(cfg) = self.lookup(&e.config) else {
+            return Err(format!(
+                "{what}: config {:?} is not in the archive",
+                e.config
+            ));
+        };
+        let cfg_blob = &self.blobs[cfg];
+        let config = Descriptor {
+            media_type: MT_DOCKER_CONFIG.into(),
+            digest: cfg.clone(),
+            size: cfg_blob.size as i64,
+        };
+        push_retained(&mut blobs, &config, cfg_blob, BTreeMap::new());
+        let mut labels = BTreeMap::new();
+        labels.insert(format!("{GC_REF}.config"), cfg.clone());
+        let mut layers = Vec::new();
+        for (li, l) in e.layers.iter().enumerate() {
+            let Some(d) = self.lookup(l) else {
+                return Err(format!(
+                    "{what}: names layer {l:?}, which is not in the archive"
+                ));
+            };
+            let b = &self.blobs[d];
+            let media_type = match b.kind {
+                Kind::Gzip => MT_DOCKER_LAYER_GZIP,
+                Kind::Zstd => MT_DOCKER_LAYER_ZSTD,
+                _ => MT_DOCKER_LAYER,
+            };
+            let desc = Descriptor {
+                media_type: media_type.into(),
+                digest: d.clone(),
+                size: b.size as i64,
+            };
+            push_retained(&mut blobs, &desc, b, BTreeMap::new());
+            labels.insert(format!("{GC_REF}.l.{li}"), d.clone());
+            layers.push(desc);
+        }
+        let manifest = manifest_blob(&config, &layers, labels);
+        let target = manifest.desc.clone();
+        blobs.push(manifest);
+        Ok((target, blobs))
+    }
+}
+
+/// The docker v2 manifest naming `config` and `layers`, as a blob to write.
+fn manifest_blob(
+    config: &Descriptor,
+    layers: &[Descriptor],
+    labels: BTreeMap<String, String>,
+) -> SmallBlob {
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": MT_DOCKER_MANIFEST,
+        "config": desc_json(config),
+        "layers": layers.iter().map(desc_json).collect::<Vec<_>>(),
+    });
+    let bytes = serde_json::to_vec(&manifest).unwrap_or_default();
+    SmallBlob {
+        desc: Descriptor {
+            media_type: MT_DOCKER_MANIFEST.into(),
+            digest: sha256_hex(&bytes),
+            size: bytes.len() as i64,
+        },
+        data: Arc::new(bytes),
+        labels,
+    }
+}
+
+/// The entry's RepoTags, normalised; the unusable ones become warnings.
+fn docker_names(e: &DockerEntry, what: &str, warnings: &mut Vec<String>) -> Vec<String> {
+    let mut names = Vec::new();
+    for t in e.repo_tags.iter().flatten() {
+        match reference::normalize(t) {
+            Ok(n) => names.push(n),
+            Err(err) => warnings.push(format!("{what}: {err}")),
+        }
+    }
+    names
 }
 
 #[derive(Deserialize)]

@@ -344,17 +344,7 @@ pub fn read_archive<R: Read>(
     };
     let mut buffered = BufReader::with_capacity(256 << 10, raw);
     let compression = Compression::sniff(buffered.fill_buf().map_err(ArchiveError::Tar)?)?;
-    let decoder: Box<dyn Read> = match compression {
-        Compression::None => Box::new(buffered),
-        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
-        Compression::Zstd => {
-            let mut d = zstd::stream::read::Decoder::with_buffer(buffered)
-                .map_err(|e| ArchiveError::Decompress(compression, e))?;
-            d.window_log_max(ZSTD_WINDOW_LOG_MAX)
-                .map_err(|e| ArchiveError::Decompress(compression, e))?;
-            Box::new(d)
-        }
-    };
+    let decoder = decoder(buffered, compression)?;
     let capped = Capped {
         inner: decoder,
         st: st.clone(),
@@ -375,31 +365,7 @@ pub fn read_archive<R: Read>(
         streamed: 0,
     };
     let mut tar = tar::Archive::new(capped);
-    let fault = |e: ArchiveError| -> ArchiveError {
-        match st.fault.get() {
-            Some(Fault::Cap) => ArchiveError::TooLarge(opts.limits.max_decompressed),
-            Some(Fault::Ratio) => ArchiveError::Ratio {
-                ratio: opts.limits.max_ratio,
-                raw: st.raw.get(),
-            },
-            Some(Fault::Header) => ArchiveError::HeaderTooLarge(HEADER_LIMIT),
-            Some(Fault::Decompress) => match e {
-                ArchiveError::Tar(io) => ArchiveError::Decompress(compression, io),
-                ArchiveError::Truncated(_) => ArchiveError::Decompress(
-                    compression,
-                    io::Error::new(io::ErrorKind::UnexpectedEof, "stream ended early"),
-                ),
-                other => other,
-            },
-            None => match e {
-                ArchiveError::Tar(io) => ArchiveError::Corrupt {
-                    offset: st.decompressed.get(),
-                    reason: safe_io(&io),
-                },
-                other => other,
-            },
-        }
-    };
+    let fault = |e: ArchiveError| stream_fault(&st, &opts.limits, compression, e);
     walker.walk(&mut tar).map_err(fault)?;
     // Read to the end so a truncated or corrupt compressed tail (checksum,
     // trailer) is noticed even after tar's end-of-archive blocks.
@@ -419,6 +385,57 @@ pub fn read_archive<R: Read>(
         blobs_streamed: walker.streamed,
         raw_sha256,
     })
+}
+
+/// The decompressor `compression` calls for, over the raw stream.
+fn decoder<'r>(
+    buffered: BufReader<impl Read + 'r>,
+    compression: Compression,
+) -> Result<Box<dyn Read + 'r>, ArchiveError> {
+    Ok(match compression {
+        Compression::None => Box::new(buffered),
+        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
+        Compression::Zstd => {
+            let mut d = zstd::stream::read::Decoder::with_buffer(buffered)
+                .map_err(|e| ArchiveError::Decompress(compression, e))?;
+            d.window_log_max(ZSTD_WINDOW_LOG_MAX)
+                .map_err(|e| ArchiveError::Decompress(compression, e))?;
+            Box::new(d)
+        }
+    })
+}
+
+/// What an error reading the stream really was: a cap the stream hit or
+/// the decompressor failing surface to the tar crate as plain I/O errors.
+fn stream_fault(
+    st: &Stream,
+    limits: &Limits,
+    compression: Compression,
+    e: ArchiveError,
+) -> ArchiveError {
+    match st.fault.get() {
+        Some(Fault::Cap) => ArchiveError::TooLarge(limits.max_decompressed),
+        Some(Fault::Ratio) => ArchiveError::Ratio {
+            ratio: limits.max_ratio,
+            raw: st.raw.get(),
+        },
+        Some(Fault::Header) => ArchiveError::HeaderTooLarge(HEADER_LIMIT),
+        Some(Fault::Decompress) => match e {
+            ArchiveError::Tar(io) => ArchiveError::Decompress(compression, io),
+            ArchiveError::Truncated(_) => ArchiveError::Decompress(
+                compression,
+                io::Error::new(io::ErrorKind::UnexpectedEof, "stream ended early"),
+            ),
+            other => other,
+        },
+        None => match e {
+            ArchiveError::Tar(io) => ArchiveError::Corrupt {
+                offset: st.decompressed.get(),
+                reason: safe_io(&io),
+            },
+            other => other,
+        },
+    }
 }
 
 impl Walker<'_> {

@@ -71,97 +71,106 @@ impl Walker<'_> {
                 super::json_reason(&e)
             ))
         })?;
-        let media_type = [d.media_type.as_deref(), m.media_type.as_deref()]
-            .into_iter()
-            .flatten()
-            .find(|s| !s.is_empty())
-            .map(str::to_owned)
-            .unwrap_or_else(|| {
-                if m.manifests.is_some() {
-                    MT_OCI_INDEX.into()
-                } else {
-                    MT_OCI_MANIFEST.into()
-                }
-            });
+        let media_type = media_type_of(d, &m);
         let desc = Descriptor {
             media_type: media_type.clone(),
             digest: d.digest.clone(),
             size: blob.size as i64,
         };
-        let mut out = Vec::new();
-        let mut labels = BTreeMap::new();
-        if media_type == MT_OCI_INDEX || media_type == MT_DOCKER_LIST {
-            let mut problems = Vec::new();
-            for (i, c) in m.manifests.iter().flatten().enumerate() {
-                match self.walk_desc(c, depth + 1, warnings) {
-                    Ok((_, blobs)) => {
-                        labels.insert(format!("{GC_REF}.m.{i}"), c.digest.clone());
-                        out.extend(blobs);
-                    }
-                    // Another platform's manifest, left out of the archive.
-                    Err(WalkError::Missing(_)) => {}
-                    Err(e) => {
-                        let p = format!("{} {}: {}", platform(c), c.digest, e.msg());
-                        warnings.push(format!("skipping {p}"));
-                        problems.push(p);
-                    }
-                }
-            }
-            if labels.is_empty() {
-                return Err(WalkError::Bad(if problems.is_empty() {
-                    format!("index {} has no manifest present in the archive", d.digest)
-                } else {
-                    format!(
-                        "index {} has no complete manifest: {}",
-                        d.digest,
-                        problems.join("; ")
-                    )
-                }));
-            }
+        let (labels, mut out) = if media_type == MT_OCI_INDEX || media_type == MT_DOCKER_LIST {
+            self.walk_index(d, &m, depth, warnings)?
         } else if m.config.is_some()
             || media_type == MT_OCI_MANIFEST
             || media_type == MT_DOCKER_MANIFEST
         {
-            let Some(cfg) = &m.config else {
-                return Err(WalkError::Bad(format!(
-                    "manifest {} has no config",
-                    d.digest
-                )));
-            };
-            let cb = self.present(cfg).map_err(|e| {
-                WalkError::Bad(format!(
-                    "manifest {} names config {}: {}",
-                    d.digest,
-                    cfg.digest,
-                    e.msg()
-                ))
-            })?;
-            push_retained(&mut out, &cfg.descriptor(), cb, BTreeMap::new());
-            labels.insert(format!("{GC_REF}.config"), cfg.digest.clone());
-            for (i, l) in m.layers.iter().flatten().enumerate() {
-                let lb = self.present(l).map_err(|e| {
-                    WalkError::Bad(format!(
-                        "manifest {} names layer {}: {}",
-                        d.digest,
-                        l.digest,
-                        e.msg()
-                    ))
-                })?;
-                push_retained(&mut out, &l.descriptor(), lb, BTreeMap::new());
-                labels.insert(format!("{GC_REF}.l.{i}"), l.digest.clone());
-            }
+            self.walk_manifest(d, &m)?
         } else {
             return Err(WalkError::Bad(format!(
                 "{} has unsupported media type {media_type:?}",
                 d.digest
             )));
-        }
+        };
         out.push(SmallBlob {
             desc: desc.clone(),
             data: data.clone(),
             labels,
         });
         Ok((desc, out))
+    }
+
+    /// An index's children: the ones present, at least one of them.
+    fn walk_index(
+        &self,
+        d: &OciDesc,
+        m: &Meta,
+        depth: usize,
+        warnings: &mut Vec<String>,
+    ) -> Result<Below, WalkError> {
+        let mut out = Vec::new();
+        let mut labels = BTreeMap::new();
+        let mut problems = Vec::new();
+        for (i, c) in m.manifests.iter().flatten().enumerate() {
+            match self.walk_desc(c, depth + 1, warnings) {
+                Ok((_, blobs)) => {
+                    labels.insert(format!("{GC_REF}.m.{i}"), c.digest.clone());
+                    out.extend(blobs);
+                }
+                // Another platform's manifest, left out of the archive.
+                Err(WalkError::Missing(_)) => {}
+                Err(e) => {
+                    let p = format!("{} {}: {}", platform(c), c.digest, e.msg());
+                    warnings.push(format!("skipping {p}"));
+                    problems.push(p);
+                }
+            }
+        }
+        if labels.is_empty() {
+            return Err(WalkError::Bad(if problems.is_empty() {
+                format!("index {} has no manifest present in the archive", d.digest)
+            } else {
+                format!(
+                    "index {} has no complete manifest: {}",
+                    d.digest,
+                    problems.join("; ")
+                )
+            }));
+        }
+        Ok((labels, out))
+    }
+
+    /// A manifest's config and layers, every one of them present.
+    fn walk_manifest(&self, d: &OciDesc, m: &Meta) -> Result<Below, WalkError> {
+        let mut out = Vec::new();
+        let mut labels = BTreeMap::new();
+        let Some(cfg) = &m.config else {
+            return Err(WalkError::Bad(format!(
+                "manifest {} has no config",
+                d.digest
+            )));
+        };
+        let cb = self.present(cfg).map_err(|e| {
+            WalkError::Bad(format!(
+                "manifest {} names config {}: {}",
+                d.digest,
+                cfg.digest,
+                e.msg()
+            ))
+        })?;
+        push_retained(&mut out, &cfg.descriptor(), cb, BTreeMap::new());
+        labels.insert(format!("{GC_REF}.config"), cfg.digest.clone());
+        for (i, l) in m.layers.iter().flatten().enumerate() {
+            let lb = self.present(l).map_err(|e| {
+                WalkError::Bad(format!(
+                    "manifest {} names layer {}: {}",
+                    d.digest,
+                    l.digest,
+                    e.msg()
+                ))
+            })?;
+            push_retained(&mut out, &l.descriptor(), lb, BTreeMap::new());
+            labels.insert(format!("{GC_REF}.l.{i}"), l.digest.clone());
+        }
+        Ok((labels, out))
     }
 
     pub(super) fn present(&self, d: &OciDesc) -> Result<&Blob, WalkError> {
@@ -182,6 +191,27 @@ impl Walker<'_> {
         }
         Ok(b)
     }
+}
+
+/// What a manifest or index holds below it: its GC labels, and the
+/// metadata blobs to write (children first).
+type Below = (BTreeMap<String, String>, Vec<SmallBlob>);
+
+/// The descriptor's media type, else the document's own, else guessed from
+/// its shape.
+fn media_type_of(d: &OciDesc, m: &Meta) -> String {
+    [d.media_type.as_deref(), m.media_type.as_deref()]
+        .into_iter()
+        .flatten()
+        .find(|s| !s.is_empty())
+        .map(str::to_owned)
+        .unwrap_or_else(|| {
+            if m.manifests.is_some() {
+                MT_OCI_INDEX.into()
+            } else {
+                MT_OCI_MANIFEST.into()
+            }
+        })
 }
 
 pub(super) enum WalkError {
