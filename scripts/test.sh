@@ -59,11 +59,12 @@ fi
 # Never let a client default to the system containerd.
 unset CONTAINERD_ADDRESS CONTAINERD_NAMESPACE CONTAINERD_SNAPSHOTTER
 
-echo "==> cargo fmt --check"
-cargo fmt --check
+# --all / --workspace: the test harness (tests/support) is a crate of its own.
+echo "==> cargo fmt --all --check"
+cargo fmt --all --check
 
-echo "==> cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets -- -D warnings
+echo "==> cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
 
 echo "==> cargo test --lib --bins (unit tests, once)"
 cargo test --lib --bins -- --test-threads=2

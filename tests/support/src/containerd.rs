@@ -9,7 +9,13 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::cri::try_cri_image_status;
+use crate::ctr::{ctr, ctr_command, ctr_ok, snapshotter};
+use crate::daemon::{keep_tmp, Daemon, NotReady, SHIM_ADDRESSES};
+use crate::flavor::flavor;
+use crate::images::{pause_image, PAUSE_IMAGE};
+use crate::shims::{kill_shims, shims_of, unmount_under};
+use crate::util::{block_on_thread, poll_async, tempdir, try_output_with_timeout, READY_TIMEOUT};
 
 /// Options for [`Containerd::start`].
 #[derive(Clone, Debug, Default)]
@@ -21,7 +27,7 @@ pub struct ContainerdOpts {
     /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
     pub registry_mirror: Option<String>,
     /// Run containerd (and so its shims and host-network pods) inside this
-    /// network namespace (`/run/netns/<name>`), see [`super::netns`].
+    /// network namespace (`/run/netns/<name>`), see [`crate::netns`].
     pub netns: Option<PathBuf>,
     /// With `cri`: `(registry host, hosts.toml)` pairs written under the
     /// registry `config_path` (`<dir>/certs.d`), which every version then
@@ -83,7 +89,7 @@ impl Containerd {
         cmd.env_remove("CONTAINERD_ADDRESS")
             .env_remove("CONTAINERD_NAMESPACE");
         if let Some(ns) = netns {
-            cmd = super::netns::wrap_in(ns, cmd);
+            cmd = crate::netns::wrap_in(ns, cmd);
         }
         let mut addrs = SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner());
         if !addrs.iter().any(|a| a == sock) {
@@ -205,7 +211,7 @@ impl Containerd {
         self.daemon.kill9();
     }
 
-    /// Graceful stop: SIGTERM, wait up to [`STOP_GRACE`], then SIGKILL.
+    /// Graceful stop: SIGTERM, wait up to [`crate::util::STOP_GRACE`], then SIGKILL.
     pub fn stop(&mut self) {
         self.daemon.stop();
     }
@@ -306,7 +312,7 @@ impl Drop for Containerd {
     }
 }
 
-pub(super) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
+pub(crate) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
     let p = |s: &str| d.join(s).display().to_string();
     let policy = if opts.isolated { "isolated" } else { "shared" };
     let v2 = flavor().is_v2();
