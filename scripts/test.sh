@@ -93,6 +93,11 @@ stage_start=$SECONDS
 scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
 echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
+# The one containerd config generator (the harness's, try.sh's, the bench
+# scripts'): every kind of config it writes loads on every version.
+echo "==> scripts/lib/containerd-config-check.sh"
+# shellcheck disable=SC2086
+scripts/lib/containerd-config-check.sh $matrix
 
 # The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
 # crane, oras) and the OCI distribution-spec conformance suite (tests/registry.rs

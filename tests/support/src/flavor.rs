@@ -64,12 +64,18 @@ impl Flavor {
         }
     }
 
+    /// One of this version's binaries (`containerd`, `ctr`): in its bin
+    /// dir, or the bare name, found on PATH.
+    pub fn bin(&self, name: &str) -> PathBuf {
+        match &self.bin_dir {
+            Some(d) => d.join(name),
+            None => PathBuf::from(name),
+        }
+    }
+
     /// A command for one of this version's binaries (`containerd`, `ctr`).
     pub fn command(&self, bin: &str) -> Command {
-        let mut cmd = match &self.bin_dir {
-            Some(d) => Command::new(d.join(bin)),
-            None => Command::new(bin),
-        };
+        let mut cmd = Command::new(self.bin(bin));
         cmd.env("PATH", self.path_env());
         cmd
     }
