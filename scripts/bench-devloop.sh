@@ -499,7 +499,7 @@ want h && start_buildkitd h "$T/confirm/imgbridge.sock" k8s.io
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
 
 # ---------------------------------------------------------------- kubelet (BENCH_POD=kubelet)
-# Standalone (no API server), static pods, as tests/common/kubelet.rs starts
+# Standalone (no API server), static pods, as tests/support/src/kubelet.rs starts
 # it: ports on loopback, image GC and disk eviction off, no kubepods cgroups.
 NODE=imgbridge-bench
 if [ "$POD" = kubelet ]; then

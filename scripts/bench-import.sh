@@ -69,16 +69,7 @@ make_archive() {
 start_containerd() {
     local d="$WORK/ctd"
     rm -rf "$d"; mkdir -p "$d"
-    cat > "$d/config.toml" <<EOF
-version = 2
-root = "$d/root"
-state = "$d/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-[grpc]
-  address = "$d/c.sock"
-[ttrpc]
-  address = "$d/c.sock.ttrpc"
-EOF
+    "$(dirname "$0")/lib/containerd-config.sh" --dir "$d" --socket "$d/c.sock" > "$d/config.toml"
     containerd --config "$d/config.toml" > "$d/log" 2>&1 &
     CTD_PID=$!
     SOCK="$d/c.sock"

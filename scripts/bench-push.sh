@@ -108,34 +108,10 @@ EOF
 
 # A fresh containerd with CRI in its own root; sets SOCK and CTD_PID.
 start_containerd() {
-    local d="$WORK/ctd" v
+    local d="$WORK/ctd"
     rm -rf "$d"
     mkdir -p "$d"
-    v=$(containerd --version | awk '{ print $3 }')
-    if [[ "$v" == v2* || "$v" == 2* ]]; then
-        cat > "$d/config.toml" << EOF
-version = 3
-root = "$d/root"
-state = "$d/state"
-[grpc]
-  address = "$d/c.sock"
-[ttrpc]
-  address = "$d/c.sock.ttrpc"
-EOF
-    else
-        cat > "$d/config.toml" << EOF
-version = 2
-root = "$d/root"
-state = "$d/state"
-[grpc]
-  address = "$d/c.sock"
-[ttrpc]
-  address = "$d/c.sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-EOF
-    fi
+    "$root/scripts/lib/containerd-config.sh" --dir "$d" --socket "$d/c.sock" --cri > "$d/config.toml"
     containerd --config "$d/config.toml" > "$d/log" 2>&1 &
     CTD_PID=$!
     PIDS+=("$CTD_PID")

@@ -118,27 +118,11 @@ fi
 start_containerd() {
   local d=$1 policy=$2
   mkdir -p "$d"
-  cat >"$d/config.toml" <<TOML
-version = 2
-root = "$d/root"
-state = "$d/state"
-[grpc]
-  address = "$d/containerd.sock"
-[ttrpc]
-  address = "$d/containerd.sock.ttrpc"
-[debug]
-  level = "warn"
-[plugins."io.containerd.metadata.v1.bolt"]
-  content_sharing_policy = "$policy"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  sandbox_image = "registry.k8s.io/pause:3.6"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "$snap"
-TOML
-  containerd --config "$d/config.toml" >"$d/containerd.log" 2>&1 &
+  local iso=()
+  [ "$policy" = isolated ] && iso=(--isolated)
+  scripts/lib/containerd-config.sh --dir "$d" --cri "${iso[@]}" --snapshotter "$snap" \
+    --sandbox-image registry.k8s.io/pause:3.6 >"$d/config.toml"
+  containerd --log-level warn --config "$d/config.toml" >"$d/containerd.log" 2>&1 &
   ctrd_pid=$!
   wait_sock "$d/containerd.sock"
   for _ in $(seq 200); do ctr -a "$d/containerd.sock" version >/dev/null 2>&1 && break; sleep 0.05; done

@@ -85,18 +85,7 @@ log() { printf '[bench] %s\n' "$*" >&2; }
 
 # --- daemons ---------------------------------------------------------------
 cd_sock=$tmp/containerd.sock
-cat >"$tmp/containerd.toml" <<EOF
-version = 2
-root = "$tmp/root"
-state = "$tmp/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-[grpc]
-  address = "$cd_sock"
-[ttrpc]
-  address = "$cd_sock.ttrpc"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$tmp/opt"
-EOF
+scripts/lib/containerd-config.sh --dir "$tmp" --containerd "$CONTAINERD" --socket "$cd_sock" >"$tmp/containerd.toml"
 "$CONTAINERD" --config "$tmp/containerd.toml" >"$tmp/containerd.log" 2>&1 &
 pids+=($!)
 

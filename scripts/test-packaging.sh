@@ -24,7 +24,7 @@ cleanup() {
     local p
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    umount -R "$work/state" 2>/dev/null || true
+    umount -R "$work/ctd/state" 2>/dev/null || true
     rm -rf "$work" 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -135,19 +135,8 @@ root="$work/root"
 mkdir -p "$root/etc" "$root/run/containerd" "$root/run/imgbridge"
 cp "$t/imgbridge" "$root/imgbridge"
 printf 'root:x:0:\nbuilders:x:4242:\n' >"$root/etc/group"
-cat >"$work/containerd.toml" <<TOML
-version = 2
-root = "$work/croot"
-state = "$work/state"
-[grpc]
-  address = "$root/run/containerd/containerd.sock"
-[ttrpc]
-  address = "$root/run/containerd/containerd.sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  stream_server_port = "0"
-TOML
+scripts/lib/containerd-config.sh --dir "$work/ctd" --containerd "$ctd_bin/containerd" --cri \
+    --socket "$root/run/containerd/containerd.sock" >"$work/containerd.toml"
 containerd --config "$work/containerd.toml" >"$work/containerd.log" 2>&1 &
 pids+=($!)
 ctrd=(ctr --address "$root/run/containerd/containerd.sock")

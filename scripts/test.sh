@@ -59,11 +59,12 @@ fi
 # Never let a client default to the system containerd.
 unset CONTAINERD_ADDRESS CONTAINERD_NAMESPACE CONTAINERD_SNAPSHOTTER
 
-echo "==> cargo fmt --check"
-cargo fmt --check
+# --all / --workspace: the test harness (tests/support) is a crate of its own.
+echo "==> cargo fmt --all --check"
+cargo fmt --all --check
 
-echo "==> cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets -- -D warnings
+echo "==> cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
 
 echo "==> cargo test --lib --bins (unit tests, once)"
 cargo test --lib --bins -- --test-threads=2
@@ -92,6 +93,11 @@ stage_start=$SECONDS
 scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
 cat target/containerd-matrix.txt
 echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
+# The one containerd config generator (the harness's, try.sh's, the bench
+# scripts'): every kind of config it writes loads on every version.
+echo "==> scripts/lib/containerd-config-check.sh"
+# shellcheck disable=SC2086
+scripts/lib/containerd-config-check.sh $matrix
 
 # The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
 # crane, oras) and the OCI distribution-spec conformance suite (tests/registry.rs

@@ -49,22 +49,8 @@ skopeo copy -q "oci:$T/oci:app" "docker-archive:$T/app.tar:myapp:dev"
 
 snap=overlayfs
 echo "== starting a throwaway containerd in $T"
-cat > "$T/config.toml" <<TOML
-version = 2
-root = "$T/root"
-state = "$T/state"
-[grpc]
-  address = "$T/containerd.sock"
-[ttrpc]
-  address = "$T/containerd.sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  sandbox_image = "registry.k8s.io/pause:3.6"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "$snap"
-TOML
+scripts/lib/containerd-config.sh --dir "$T" --cri --snapshotter "$snap" \
+  --sandbox-image registry.k8s.io/pause:3.6 >"$T/config.toml"
 containerd --config "$T/config.toml" >"$T/containerd.log" 2>&1 &
 pids+=($!)
 wait_sock "$T/containerd.sock"

@@ -25,5 +25,9 @@ pub mod reference;
 pub mod registry;
 pub mod replicate;
 
+/// imgbridge's version (Cargo.toml's), as `--version` and `/status` print
+/// it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 pub use app::serve;
 pub use config::Config;

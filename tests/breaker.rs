@@ -8,13 +8,12 @@
 //! an `Images.Update` in k8s.io, on which it drops every connection, as the
 //! crash did. That is the only fake here, and it injects only that fault.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use imgbridge_test_support::front;
+use imgbridge_test_support::prelude::*;
 
 const SRC: &str = "buildkit";
 const UPDATE: &str = "/containerd.services.images.v1.Images/Update";

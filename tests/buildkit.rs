@@ -3,13 +3,12 @@
 //! wait, kubelet's view (crictl on containerd's own socket) resolves the new
 //! image id and a crictl pod runs it.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use common::peers::{Buildkitd, Crictl};
-use common::*;
+use imgbridge_test_support::grpc::assert_cri_managed;
+use imgbridge_test_support::peers::{Buildkitd, Crictl};
+use imgbridge_test_support::prelude::*;
 
 /// containerd with CRI, imgbridge in front, buildkitd through imgbridge,
 /// crictl on containerd's socket, and a loopback registry with a base image.

@@ -1,14 +1,12 @@
 //! What idle connections cost imgbridge, and that it gives the memory back
 //! once they close (issue 17, point 6), against a real containerd.
 
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1::version_client::VersionClient;
 use futures_util::stream::{self, StreamExt};
+use imgbridge_test_support::prelude::*;
 use tonic::transport::Channel;
 
 /// Connections held open at once.

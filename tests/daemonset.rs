@@ -11,8 +11,6 @@
 //! build's write, whose image is then in `k8s.io` when buildctl returns;
 //! the next build goes through the new pod.
 
-mod common;
-
 use std::fs::File;
 use std::io::Read;
 use std::path::PathBuf;
@@ -20,10 +18,12 @@ use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
-use common::peers::Buildkitd;
-use common::project::{project_image, ProjectImage};
-use common::*;
+use imgbridge_test_support::grpc::content_client;
+use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
+use imgbridge_test_support::peers::Buildkitd;
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::project::{project_image, ProjectImage};
+use imgbridge_test_support::util::run_ok;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;

@@ -1,17 +1,17 @@
-//! Self-tests of the integration harness (`tests/common`), without the proxy.
+//! Self-tests of the integration harness (`tests/support`), without the proxy.
 //!
 //! Every test starts the daemons it needs (a private containerd boots in well
 //! under a second) and stops them on drop, so tests are independent and can
 //! run in parallel. Only the offline-built test images are shared, through the
-//! process-wide caches in `common` (`pause_image()`, `TestImage::hello`).
-
-mod common;
+//! process-wide caches in the harness (`pause_image()`, `TestImage::hello`).
 
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1::introspection_client::IntrospectionClient;
 use containerd_client::services::v1::PluginsRequest;
+use imgbridge_test_support::grpc::MAX_MSG;
+use imgbridge_test_support::images::PAUSE_IMAGE;
+use imgbridge_test_support::prelude::*;
 
 /// (a) containerd + CRI: import a docker-archive into k8s.io, CRI ImageStatus
 /// resolves the normalised name, and a CRI pod runs the image.

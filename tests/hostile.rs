@@ -4,16 +4,14 @@
 //! decompression bombs. Real containerd and the real `imgbridge serve`;
 //! every wait is a poll with a deadline.
 
-mod common;
-
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1 as api;
+use imgbridge_test_support::prelude::*;
 
 /// The tests of this file run one at a time: the latency test measures
 /// the proxy, and the others' containerd start-ups and bomb compression on

@@ -1,8 +1,6 @@
 //! Directory auto-import against a real containerd 1.6 (with CRI) and a
 //! loopback registry. Every wait is a poll with a deadline.
 
-mod common;
-
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,10 +13,15 @@ use imgbridge::config::{Import, ImportDir};
 use imgbridge::containerd::Containerd;
 use imgbridge::import::{self, Stats};
 use imgbridge::ops::metrics::Metrics;
+use imgbridge_test_support as support;
+use imgbridge_test_support::bridge::Imgbridge;
+use imgbridge_test_support::ctr::ctr_run;
+use imgbridge_test_support::images::PAUSE_IMAGE;
+use imgbridge_test_support::registry::Registry;
 
 // ============================================================================
 // Private test harness. Kept in this section so it can be swapped for the
-// shared `tests/common` harness later: containerd launcher, registry, image
+// shared harness (`tests/support`) later: containerd launcher, registry, image
 // fixtures built offline with umoci + skopeo.
 // ============================================================================
 
@@ -38,7 +41,7 @@ mod harness {
     /// A private containerd with CRI (the shared harness's), pulling from
     /// the loopback registry over plain http.
     pub struct TestContainerd {
-        inner: common::Containerd,
+        inner: support::containerd::Containerd,
         pub sock: PathBuf,
     }
 
@@ -51,14 +54,15 @@ mod harness {
                 )
                 .with_test_writer()
                 .try_init();
-            let inner = common::Containerd::start(common::ContainerdOpts {
-                cri: true,
-                registry_mirror: Some(registry().addr()),
-                ..Default::default()
-            });
+            let inner =
+                support::containerd::Containerd::start(support::containerd::ContainerdOpts {
+                    cri: true,
+                    registry_mirror: Some(registry().addr()),
+                    ..Default::default()
+                });
             // The harness seeds CRI's pause image; these tests expect
             // `k8s.io` to start empty, as a node without it would.
-            inner.ctr_ok("k8s.io", ["images", "rm", common::PAUSE_IMAGE]);
+            inner.ctr_ok("k8s.io", ["images", "rm", PAUSE_IMAGE]);
             let sock = inner.socket().to_path_buf();
             TestContainerd { inner, sock }
         }
@@ -73,9 +77,9 @@ mod harness {
     }
 
     /// The loopback `docker-registry` (the shared harness's), one per test process.
-    pub fn registry() -> &'static common::Registry {
-        static R: OnceLock<common::Registry> = OnceLock::new();
-        R.get_or_init(common::Registry::start)
+    pub fn registry() -> &'static Registry {
+        static R: OnceLock<Registry> = OnceLock::new();
+        R.get_or_init(Registry::start)
     }
 
     /// Test images, built once and cached under the cargo target tmp dir.
@@ -452,7 +456,7 @@ async fn cli_import_formats_and_failures() {
         "application/vnd.oci.image.index.v1+json"
     );
     assert_complete(&ctd, "app-");
-    let run = common::ctr_run(&ctd.sock, "k8s.io", A, &["/bin/busybox", "echo", "ran-a"]);
+    let run = ctr_run(&ctd.sock, "k8s.io", A, &["/bin/busybox", "echo", "ran-a"]);
     assert_eq!(run, "ran-a\n");
 }
 
@@ -535,7 +539,7 @@ async fn serve_watch_dir_created_later_rename_in_and_remove() {
     )
     .unwrap();
     let listen = tmp.path().join("ib.sock");
-    let mut serve = common::Imgbridge::start_at(
+    let mut serve = Imgbridge::start_at(
         &listen,
         &ctd.sock,
         &[

@@ -1,4 +1,4 @@
-//! A real kubelet (standalone, static pods; tests/common/kubelet.rs) runs
+//! A real kubelet (standalone, static pods; tests/support/src/kubelet.rs) runs
 //! what was just built: the dev loop with and without imgbridge in the path,
 //! a rebuilt mutable tag, the socket swap with a live kubelet under restarts
 //! of imgbridge and containerd, kubelet's image GC next to imgbridge's
@@ -6,13 +6,12 @@
 //!
 //! Runs on every containerd of the matrix (65-73 s each on two shared cores).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
-use common::peers::Buildkitd;
-use common::*;
+use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
+use imgbridge_test_support::peers::Buildkitd;
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::scenario::config_file;
 
 fn busybox() -> Vec<u8> {
     std::fs::read("/bin/busybox").expect("static busybox (busybox-static)")

@@ -5,14 +5,15 @@
 //! real containerd, and create the container through CRI on containerd's
 //! own socket the moment the last write returns — no wait, no retry.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
 use containerd_client::services::v1 as api;
 use containerd_client::types::Descriptor;
+use imgbridge_test_support::cri::cri_runtime_client;
+use imgbridge_test_support::grpc::content_client;
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::POD_TIMEOUT;
 use k8s_cri::v1 as cri;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;

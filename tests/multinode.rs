@@ -29,15 +29,15 @@
 //! straight into containerd (buildkitd on its socket, imgbridge not in the
 //! path): the test must then fail, node B cannot get the image.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::netns::{spegel_hosts_toml, Netns, NodePair, Spegel};
-use common::peers::{Buildkitd, Crictl};
-use common::*;
+use imgbridge_test_support::ctr::snapshotter;
+use imgbridge_test_support::netns::{spegel_hosts_toml, Netns, NodePair, Spegel};
+use imgbridge_test_support::peers::{Buildkitd, Crictl};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::run_ok;
 
 const IMAGE: &str = "docker.io/library/app:dev";
 /// What kind-load's images are called in the baseline (another name, so
@@ -57,8 +57,7 @@ struct Node {
     name: &'static str,
     bk: Buildkitd,
     /// Kept for its lifetime: buildkitd writes through it.
-    #[allow(dead_code)]
-    p: Option<Imgbridge>,
+    _proxy: Option<Imgbridge>,
     spegel: Spegel,
     cri: Crictl,
     c: Containerd,
@@ -89,7 +88,7 @@ impl Node {
         Some(Node {
             name,
             bk,
-            p,
+            _proxy: p,
             spegel,
             cri,
             c,

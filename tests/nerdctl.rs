@@ -2,10 +2,8 @@
 //! load, pull, tag, rmi, image prune and build, each followed at once by
 //! kubelet's view (crictl on containerd's own socket).
 
-mod common;
-
-use common::peers::{Buildkitd, Crictl, Nerdctl};
-use common::*;
+use imgbridge_test_support::peers::{Buildkitd, Crictl, Nerdctl};
+use imgbridge_test_support::prelude::*;
 
 const PINNED: &str = "io.cri-containerd.pinned";
 

@@ -5,8 +5,6 @@
 //! Each test starts its own containerd from a temporary directory (killed by
 //! pid on drop) and waits for it by polling with a deadline.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
@@ -15,6 +13,14 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use imgbridge::containerd::{request, Containerd};
+use imgbridge_test_support as support;
+use imgbridge_test_support::cri::cri_image_client;
+use imgbridge_test_support::ctr::ctr_ingest;
+use imgbridge_test_support::flavor::{flavor, parse_semver};
+use imgbridge_test_support::grpc::sha256_digest;
+use imgbridge_test_support::images::TestImage;
+use imgbridge_test_support::registry::Registry;
+use imgbridge_test_support::util::{itoa, run_ok};
 
 const BIN: &str = env!("CARGO_BIN_EXE_imgbridge");
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -34,13 +40,13 @@ fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 /// A private containerd (the harness's, so the version under test) on
 /// sockets in a temp dir.
 struct Ctrd {
-    inner: common::Containerd,
+    inner: support::containerd::Containerd,
     sock: PathBuf,
 }
 
 impl Ctrd {
     fn start(cri: bool) -> Ctrd {
-        let inner = common::Containerd::start(common::ContainerdOpts {
+        let inner = support::containerd::Containerd::start(support::containerd::ContainerdOpts {
             cri,
             ..Default::default()
         });
@@ -54,7 +60,7 @@ impl Ctrd {
 }
 
 fn ctr(sock: &Path, args: &[&str]) -> Output {
-    common::flavor()
+    flavor()
         .command("ctr")
         .arg("-a")
         .arg(sock)
@@ -169,11 +175,7 @@ fn metrics_count_real_calls_through_the_proxy() {
     assert!(before.contains("imgbridge_build_info{"), "{before}");
     let v0 = sample(&before, VERSION_OK);
     let version = rt.block_on(via.version()).unwrap();
-    assert_eq!(
-        common::parse_semver(&version),
-        Some(common::flavor().semver),
-        "{version}"
-    );
+    assert_eq!(parse_semver(&version), Some(flavor().semver), "{version}");
     poll("Version/Version status 0 counted", || {
         (sample(&p.scrape(), VERSION_OK) == v0 + 1.0).then_some(())
     });
@@ -197,10 +199,10 @@ fn metrics_count_real_calls_through_the_proxy() {
     let blob: Vec<u8> = (0..1u32 << 20)
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
-    let digest = common::sha256_digest(&blob);
+    let digest = sha256_digest(&blob);
     let blob_file = c.dir().join("test-blob");
     std::fs::write(&blob_file, &blob).unwrap();
-    common::ctr_ingest(&c.sock, "default", &digest, &blob_file);
+    ctr_ingest(&c.sock, "default", &digest, &blob_file);
     let b0 = sample(&p.scrape(), BYTES);
     let got = ctr(&p.sock, &["content", "get", &digest]);
     assert!(
@@ -480,7 +482,7 @@ fn doctor_fails_on_missing_socket_and_bad_config() {
 /// `config_path`, `discard_unpacked_layers` and (2.x) `use_local_image_pull`
 /// set as given, in the layout of the version under test.
 fn with_cri_registry(base: &str, config_path: &str, discard: bool, local_pull: bool) -> String {
-    if common::flavor().is_v2() {
+    if flavor().is_v2() {
         let images = "  [plugins.\"io.containerd.cri.v1.images\"]\n";
         assert!(base.contains(images), "{base}");
         let mut out = String::new();
@@ -517,7 +519,7 @@ fn with_cri_registry(base: &str, config_path: &str, discard: bool, local_pull: b
 fn cri_pulls(sock: &Path, image: &str) -> Result<(), String> {
     let rt = rt();
     rt.block_on(async {
-        let mut images = common::cri_image_client(sock).await;
+        let mut images = cri_image_client(sock).await;
         let req = k8s_cri::v1::PullImageRequest {
             image: Some(k8s_cri::v1::ImageSpec {
                 image: image.into(),
@@ -539,7 +541,7 @@ fn cri_pulls(sock: &Path, image: &str) -> Result<(), String> {
 /// `hosts.toml`. Each verdict doctor gives is checked against a real CRI pull.
 #[test]
 fn doctor_checks_a_node_for_image_sharing() {
-    let mut c = common::Containerd::start(common::ContainerdOpts {
+    let mut c = support::containerd::Containerd::start(support::containerd::ContainerdOpts {
         cri: true,
         ..Default::default()
     });
@@ -590,8 +592,8 @@ fn doctor_checks_a_node_for_image_sharing() {
 
     // A mirror on this node for docker.io, in the layout spegel writes
     // (with an unreachable server: nothing here may reach the internet).
-    let registry = common::Registry::start();
-    let image = common::TestImage::hello("imgbridge-test/doctor-mirror:dev");
+    let registry = Registry::start();
+    let image = TestImage::hello("imgbridge-test/doctor-mirror:dev");
     image.push(&registry.addr());
     let certs = dir.path().join("certs.d");
     let hosts_dir = certs.join("docker.io");
@@ -604,7 +606,7 @@ fn doctor_checks_a_node_for_image_sharing() {
     .unwrap();
     let certs_s = certs.display().to_string();
     let reconfigure =
-        |c: &mut common::Containerd, config_path: &str, discard: bool, local: bool| {
+        |c: &mut support::containerd::Containerd, config_path: &str, discard: bool, local: bool| {
             std::fs::write(
                 &ctd_config,
                 with_cri_registry(&base, config_path, discard, local),
@@ -648,7 +650,7 @@ fn doctor_checks_a_node_for_image_sharing() {
     let l = line_of(&text, "unpacked layers").unwrap();
     assert!(l.starts_with("✓ unpacked layers: kept"), "{l}");
     let l = line_of(&text, "CRI pull path").unwrap();
-    if common::flavor().semver >= (2, 1, 0) {
+    if flavor().semver >= (2, 1, 0) {
         assert_eq!(
             l,
             "✓ CRI pull path: Transfer service, config_path is one directory: honoured"
@@ -656,19 +658,19 @@ fn doctor_checks_a_node_for_image_sharing() {
     } else {
         assert!(l.starts_with("✓ CRI pull path: client pull ("), "{l}");
     }
-    let third = common::TestImage::hello("imgbridge-test/doctor-mirror:one");
+    let third = TestImage::hello("imgbridge-test/doctor-mirror:one");
     third.push(&registry.addr());
     cri_pulls(&sock, &third.normalized()).unwrap();
 
     // The Transfer trap: a config_path list (2.2+'s default shape).
     let other = dir.path().join("docker-certs.d").display().to_string();
     let list = format!("{certs_s}:{other}");
-    let second = common::TestImage::hello("imgbridge-test/doctor-mirror:list");
+    let second = TestImage::hello("imgbridge-test/doctor-mirror:list");
     second.push(&registry.addr());
     reconfigure(&mut c, &list, false, false);
     let text = run_doctor();
     let l = line_of(&text, "CRI pull path").unwrap();
-    let v = common::flavor().semver;
+    let v = flavor().semver;
     if v >= (2, 1, 0) {
         assert!(
             l.starts_with("! CRI pull path: CRI pulls through the Transfer service")
@@ -705,7 +707,7 @@ fn doctor_checks_a_node_for_image_sharing() {
         )),
         "{l}"
     );
-    let fourth = common::TestImage::hello("imgbridge-test/doctor-mirror:default");
+    let fourth = TestImage::hello("imgbridge-test/doctor-mirror:default");
     fourth.push(&registry.addr());
     cri_pulls(&sock, &fourth.normalized()).unwrap();
 
@@ -751,7 +753,7 @@ fn socket_activation_serves_the_passed_listener() {
                 return Err(std::io::Error::last_os_error());
             }
             let mut buf = [0u8; 24];
-            let pid = common::itoa(libc::getpid() as u32, &mut buf);
+            let pid = itoa(libc::getpid() as u32, &mut buf);
             libc::setenv(c"LISTEN_PID".as_ptr(), pid.as_ptr().cast(), 1);
             libc::setenv(c"LISTEN_FDS".as_ptr(), c"1".as_ptr(), 1);
             Ok(())
@@ -772,11 +774,7 @@ fn socket_activation_serves_the_passed_listener() {
         .block_on(async { tokio::time::timeout(DEADLINE, Containerd::new(&sock).version()).await })
         .expect("answer through the activated socket")
         .unwrap();
-    assert_eq!(
-        common::parse_semver(&version),
-        Some(common::flavor().semver),
-        "{version}"
-    );
+    assert_eq!(parse_semver(&version), Some(flavor().semver), "{version}");
     assert!(!dir.path().join("not-bound.sock").exists());
     drop(rt); // close the client connection, so shutdown has nothing to drain
               // On exit imgbridge leaves systemd's socket file alone.
@@ -812,7 +810,7 @@ fn json_logs_and_flags_override_the_file() {
             "--metrics-listen",
             "/run/x/metrics.sock",
         ]);
-    let out = common::run_ok(print);
+    let out = run_ok(print);
     let eff: imgbridge::Config = toml::from_str(&String::from_utf8_lossy(&out.stdout)).unwrap();
     assert_eq!(eff.log.format, "json");
     assert_eq!(eff.log.filter, "warn");

@@ -6,13 +6,16 @@
 //! or counted in `imgbridge_pending_blobs`. A lazy layer of this node's
 //! platform that never comes still is.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
 use containerd_client::types::Descriptor;
+use imgbridge_test_support::ctr::ingest_bytes;
+use imgbridge_test_support::grpc::{content_info, create_image, update_image};
+use imgbridge_test_support::images::{
+    host_arch, index_of, other_archs, MultiPlatform, PlatformImage,
+};
+use imgbridge_test_support::prelude::*;
 
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";

@@ -10,14 +10,12 @@
 //! replica exists: released, its DATA makes the client PING although
 //! containerd, which sent it long ago, has been silent.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
 use containerd_client::services::v1 as api;
 use containerd_client::types::Descriptor;
+use imgbridge_test_support::prelude::*;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;

@@ -6,14 +6,14 @@
 //! in `k8s.io` is unchanged, a pod still starts, and an ordinary name of
 //! the same run replicated.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::peers::{Buildkitd, Crictl, Nerdctl};
-use common::*;
+use imgbridge_test_support::images::PAUSE_IMAGE;
+use imgbridge_test_support::peers::{Buildkitd, Crictl, Nerdctl};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::block_on_thread;
 
 struct Setup {
     c: Containerd,

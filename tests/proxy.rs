@@ -2,8 +2,6 @@
 //! errors, sockets, signals and restarts. Namespaces here are not source
 //! namespaces (except where a test says so), so calls are pure passthrough.
 
-mod common;
-
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
@@ -13,9 +11,15 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use containerd_client::services::v1 as api;
 use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
+use imgbridge_test_support::cri::run_hello_pod;
+use imgbridge_test_support::ctr::{ctr_ingest, ctr_run};
+use imgbridge_test_support::grpc::{
+    content_client, h2_connect, placeholder_manifest, try_containerd_channel, MAX_MSG,
+};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::logs_near;
 use prost::Message;
 
 const NS: &str = "dev";

@@ -2,18 +2,19 @@
 //! (against a fake 2.x Transfer front) and fault recovery, with a real
 //! containerd 1.6.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1 as api;
 use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::types::Descriptor;
 use http_body_util::BodyExt;
+use imgbridge_test_support::ctr::ctr_ingest;
+use imgbridge_test_support::front;
+use imgbridge_test_support::grpc::{create_image, try_containerd_channel};
+use imgbridge_test_support::prelude::*;
 use prost::Message;
 
 const SRC: &str = "buildkit";

@@ -4,15 +4,16 @@
 //! runs what was pushed (no retry: a push returns once CRI resolves the
 //! image), and hostile input.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
-use common::peers::{peer, Buildkitd};
-use common::*;
+use imgbridge_test_support::cri::{cri_image_client, run_hello_pod};
+use imgbridge_test_support::grpc::content_info;
+use imgbridge_test_support::peers::{peer, Buildkitd};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::{http_status, output_with_timeout, READY_TIMEOUT, TOOL_TIMEOUT};
 
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";

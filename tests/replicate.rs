@@ -3,16 +3,20 @@
 //! after the proxied call returns (no polling where read-your-writes is the
 //! claim).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1 as api;
 use containerd_client::types::Descriptor;
+use imgbridge_test_support::cri::run_hello_pod;
+use imgbridge_test_support::ctr::ctr_ingest;
+use imgbridge_test_support::grpc::{
+    assert_cri_managed, content_info, create_image, placeholder_manifest, update_image,
+};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::scenario::config_file;
 use serde_json::json;
 
 const SRC: &str = "buildkit";

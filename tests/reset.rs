@@ -2,12 +2,10 @@
 //! containerd: containerd may carry it out anyway, and then the replica must
 //! follow at once, not after a catch-up. A hooked Rapid Reset.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use containerd_client::services::v1 as api;
+use imgbridge_test_support::prelude::*;
 
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";

@@ -7,8 +7,6 @@
 //! Every wait is a poll with a deadline; times are measured from the moment
 //! the signal was sent.
 
-mod common;
-
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -17,10 +15,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::*;
 use containerd_client::services::v1 as api;
 use http_body_util::{BodyExt, Full};
 use imgbridge::proxy::intercept::{typed, CallInfo, Hook, Interceptor};
+use imgbridge_test_support::flavor::parse_semver;
+use imgbridge_test_support::grpc::{
+    content_client, content_info, h2_connect, placeholder_manifest, try_containerd_channel,
+};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::util::{itoa, READY_TIMEOUT};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use prost::Message;
@@ -682,7 +685,7 @@ impl Activated {
                     return Err(std::io::Error::last_os_error());
                 }
                 let mut buf = [0u8; 24];
-                let pid = common::itoa(libc::getpid() as u32, &mut buf);
+                let pid = itoa(libc::getpid() as u32, &mut buf);
                 libc::setenv(c"LISTEN_PID".as_ptr(), pid.as_ptr().cast(), 1);
                 libc::setenv(c"LISTEN_FDS".as_ptr(), c"2".as_ptr(), 1);
                 libc::setenv(c"LISTEN_FDNAMES".as_ptr(), c"grpc:ttrpc".as_ptr(), 1);

@@ -2,10 +2,9 @@
 //! clients expect containerd, so kubelet (crictl here), ctr and builders
 //! all talk to imgbridge's socket as if it were containerd's.
 
-mod common;
-
-use common::peers::Crictl;
-use common::*;
+use imgbridge_test_support::ctr::ctr_run;
+use imgbridge_test_support::peers::Crictl;
+use imgbridge_test_support::prelude::*;
 
 const SRC: &str = "buildkit";
 

@@ -9,14 +9,15 @@
 //! and that the labels end as the policy says. On 1.6.25+/1.7.10+/2.x CRI
 //! must also report the pin (`Image.pinned`).
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::*;
 use containerd_client::services::v1 as api;
+use imgbridge_test_support::grpc::create_image;
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::scenario::config_file;
+use imgbridge_test_support::util::run_ok;
 
 const SRC: &str = "buildkit";
 const K8S: &str = "k8s.io";

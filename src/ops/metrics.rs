@@ -258,7 +258,7 @@ impl Metrics {
         register(r, "pins", m.pins.clone());
         register(r, "unpins", m.unpins.clone());
         let build = BuildLabels {
-            version: env!("CARGO_PKG_VERSION"),
+            version: crate::VERSION,
             commit: env!("IMGBRIDGE_GIT_COMMIT"),
         };
         register(r, "build", Info::new(build));

@@ -106,7 +106,7 @@ impl Ops {
         let upstream = self.probe_upstream().await;
         let waiting_for = self.readiness.waiting_for();
         Status {
-            version: env!("CARGO_PKG_VERSION"),
+            version: crate::VERSION,
             commit: env!("IMGBRIDGE_GIT_COMMIT"),
             uptime_seconds: self.started.elapsed().as_secs(),
             ready: upstream.is_ok() && waiting_for.is_empty(),

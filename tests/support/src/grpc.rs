@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint};
 
-use super::*;
+use crate::util::logs_near;
 
 /// Max gRPC message size for clients built here (16 MiB).
 pub const MAX_MSG: usize = 16 << 20;
@@ -99,7 +99,7 @@ pub async fn get_image(
 
 /// Retries `call` until containerd gives a definite answer (value or
 /// NotFound, which the library maps to `None`), for up to 10 s.
-pub(super) async fn definite<T, F, Fut>(what: &str, call: F) -> Option<T>
+pub(crate) async fn definite<T, F, Fut>(what: &str, call: F) -> Option<T>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<Option<T>, imgbridge::containerd::Error>>,
@@ -161,7 +161,7 @@ pub fn create_image_req(
 }
 
 /// Lower-case hex SHA-256 of `data`.
-pub fn sha256_hex(data: &[u8]) -> String {
+fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(data))
 }

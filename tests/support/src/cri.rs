@@ -10,7 +10,9 @@ use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use tempfile::TempDir;
 use tonic::transport::Channel;
 
-use super::*;
+use crate::grpc::{containerd_channel, try_containerd_channel, MAX_MSG};
+use crate::images::hello_text;
+use crate::util::{logs_near, tempdir, unique_name, POD_TIMEOUT};
 
 /// CRI RuntimeService client (16 MiB max message).
 pub async fn cri_runtime_client(sock: &Path) -> RuntimeServiceClient<Channel> {
@@ -33,7 +35,7 @@ pub async fn try_cri_image_status(
     sock: &Path,
     image_ref: &str,
 ) -> Result<Option<k8s_cri::v1::Image>, String> {
-    if let Some(crictl) = peers::Crictl::quiet(sock) {
+    if let Some(crictl) = crate::peers::Crictl::quiet(sock) {
         let name = image_ref.to_string();
         let status = tokio::task::spawn_blocking(move || crictl.inspecti(&name))
             .await
@@ -58,7 +60,7 @@ pub async fn try_cri_image_status(
 }
 
 /// crictl's JSON image status as CRI's `Image`.
-pub(super) fn image_from_json(s: &serde_json::Value) -> k8s_cri::v1::Image {
+pub(crate) fn image_from_json(s: &serde_json::Value) -> k8s_cri::v1::Image {
     let strings = |k: &str| -> Vec<String> {
         s[k].as_array()
             .map(|a| {
@@ -104,7 +106,8 @@ pub struct PodRun {
     pub container_id: String,
     /// The container's log file.
     pub log_path: PathBuf,
-    logs: TempDir,
+    /// The log dir, removed when the pod run is dropped.
+    _logs: TempDir,
 }
 
 impl PodRun {
@@ -204,14 +207,14 @@ pub async fn run_pod(sock: &Path, image_ref: &str, cmd: &[&str], expect: &str) -
         ..Default::default()
     };
     let mut rt = cri_runtime_client(sock).await;
-    let crictl = peers::Crictl::quiet(sock);
+    let crictl = crate::peers::Crictl::quiet(sock);
     let mut pod = PodRun {
         sock: sock.to_path_buf(),
         name: name.clone(),
         pod_id: String::new(),
         container_id: String::new(),
         log_path: log_dir.join("main.log"),
-        logs,
+        _logs: logs,
     };
     if let Some(crictl) = crictl {
         // As kubelet would: crictl runp, create, start.
@@ -334,7 +337,7 @@ impl PodRun {
     }
 }
 
-/// Runs `image_ref` (built with [`TestImage::hello`]`(name_tag)`) as a pod
+/// Runs `image_ref` (built with [`crate::images::TestImage::hello`]`(name_tag)`) as a pod
 /// until it prints [`hello_text`]`(name_tag)`, then removes the pod.
 pub async fn run_hello_pod(sock: &Path, image_ref: &str, name_tag: &str) {
     run_pod(sock, image_ref, &[], &hello_text(name_tag))

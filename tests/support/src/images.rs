@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::grpc::sha256_digest;
+use crate::util::{run_ok, tempdir};
 
 /// Name under which the pause image is imported into `k8s.io`; it is also the
 /// configured CRI `sandbox_image`.
 pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.6";
 
-pub(super) fn umoci<I, S>(args: I) -> Output
+pub(crate) fn umoci<I, S>(args: I) -> Output
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
@@ -28,7 +29,7 @@ where
     run_ok(cmd)
 }
 
-pub(super) fn skopeo<I, S>(args: I) -> Output
+pub(crate) fn skopeo<I, S>(args: I) -> Output
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
@@ -40,7 +41,7 @@ where
 
 /// OCI layout with one layer holding the static busybox (+ sh, echo, sleep,
 /// cat symlinks) under tag `base`; built once per process.
-pub(super) fn base_layout() -> &'static Path {
+pub(crate) fn base_layout() -> &'static Path {
     static BASE: OnceLock<PathBuf> = OnceLock::new();
     BASE.get_or_init(|| {
         let dir = tempdir("base-image-").keep();
@@ -93,7 +94,7 @@ pub(super) fn base_layout() -> &'static Path {
 
 /// Splits `name[:tag]` (a `:` after the last `/`) into name and tag (default
 /// `latest`).
-pub fn split_name_tag(name_tag: &str) -> (String, String) {
+fn split_name_tag(name_tag: &str) -> (String, String) {
     match name_tag.rfind(':') {
         Some(i) if !name_tag[i..].contains('/') => {
             (name_tag[..i].to_string(), name_tag[i + 1..].to_string())
@@ -105,7 +106,7 @@ pub fn split_name_tag(name_tag: &str) -> (String, String) {
 /// Docker-style normalisation of a `name[:tag]` reference:
 /// `foo:1` → `docker.io/library/foo:1`, `a/b` → `docker.io/a/b:latest`,
 /// `registry.k8s.io/pause:3.6` unchanged.
-pub fn normalize_ref(name_tag: &str) -> String {
+fn normalize_ref(name_tag: &str) -> String {
     let (name, tag) = split_name_tag(name_tag);
     let full = match name.split_once('/') {
         Some((first, _)) if first.contains('.') || first.contains(':') || first == "localhost" => {

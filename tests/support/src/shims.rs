@@ -12,9 +12,9 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use super::*;
+use crate::util::poll;
 
-pub(super) fn unescape_mountinfo(s: &str) -> PathBuf {
+pub(crate) fn unescape_mountinfo(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -34,7 +34,7 @@ pub(super) fn unescape_mountinfo(s: &str) -> PathBuf {
     PathBuf::from(OsStr::from_bytes(&out))
 }
 
-pub(super) fn mounts_under(root: &Path) -> Vec<PathBuf> {
+pub(crate) fn mounts_under(root: &Path) -> Vec<PathBuf> {
     let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
         return Vec::new();
     };
@@ -52,7 +52,7 @@ pub(super) fn mounts_under(root: &Path) -> Vec<PathBuf> {
 
 /// Lazily unmounts everything mounted at or below `root` (container rootfs
 /// overlays left by killed shims). Returns how many mounts remain.
-pub(super) fn unmount_under(root: &Path) -> usize {
+pub(crate) fn unmount_under(root: &Path) -> usize {
     for _ in 0..5 {
         let mounts = mounts_under(root);
         if mounts.is_empty() {
@@ -70,7 +70,7 @@ pub(super) fn unmount_under(root: &Path) -> usize {
     mounts_under(root).len()
 }
 
-pub(super) fn proc_pids() -> Vec<i32> {
+pub(crate) fn proc_pids() -> Vec<i32> {
     fs::read_dir("/proc")
         .map(|rd| {
             rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
@@ -79,14 +79,14 @@ pub(super) fn proc_pids() -> Vec<i32> {
         .unwrap_or_default()
 }
 
-pub(super) fn ppid_of(pid: i32) -> Option<i32> {
+pub(crate) fn ppid_of(pid: i32) -> Option<i32> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
-pub(super) struct Shim {
+pub(crate) struct Shim {
     pid: i32,
     namespace: String,
     id: String,
@@ -94,7 +94,7 @@ pub(super) struct Shim {
 
 /// containerd shims started for the containerd listening on `address`
 /// (matched by `-address <address>` on the shim command line).
-pub(super) fn shims_of(address: &Path) -> Vec<Shim> {
+pub(crate) fn shims_of(address: &Path) -> Vec<Shim> {
     let want = address.as_os_str().as_bytes();
     proc_pids()
         .into_iter()
@@ -119,13 +119,13 @@ pub(super) fn shims_of(address: &Path) -> Vec<Shim> {
         .collect()
 }
 
-pub(super) fn is_container_id(s: &str) -> bool {
+pub(crate) fn is_container_id(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Cgroup directories of `pid` whose leaf is a container id (runc creates
 /// them per container; they outlive a SIGKILLed shim).
-pub(super) fn container_cgroup_dirs(pid: i32) -> Vec<PathBuf> {
+pub(crate) fn container_cgroup_dirs(pid: i32) -> Vec<PathBuf> {
     let Ok(text) = fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
         return Vec::new();
     };
@@ -169,7 +169,7 @@ pub(super) fn container_cgroup_dirs(pid: i32) -> Vec<PathBuf> {
 /// This is the fallback used when the containerd itself is dead (atexit, or
 /// `Drop` after `kill9`); a live containerd deletes its tasks cleanly first
 /// (see `Containerd::delete_all_tasks`).
-pub(super) fn kill_shims(address: &Path) {
+pub(crate) fn kill_shims(address: &Path) {
     let shims = shims_of(address);
     if shims.is_empty() {
         return;

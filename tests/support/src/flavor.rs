@@ -1,7 +1,7 @@
 //! Which containerd version the tests run against (`IMGBRIDGE_CONTAINERD`),
 //! and what doctor says that version can do.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
@@ -64,12 +64,18 @@ impl Flavor {
         }
     }
 
+    /// One of this version's binaries (`containerd`, `ctr`): in its bin
+    /// dir, or the bare name, found on PATH.
+    pub fn bin(&self, name: &str) -> PathBuf {
+        match &self.bin_dir {
+            Some(d) => d.join(name),
+            None => PathBuf::from(name),
+        }
+    }
+
     /// A command for one of this version's binaries (`containerd`, `ctr`).
     pub fn command(&self, bin: &str) -> Command {
-        let mut cmd = match &self.bin_dir {
-            Some(d) => Command::new(d.join(bin)),
-            None => Command::new(bin),
-        };
+        let mut cmd = Command::new(self.bin(bin));
         cmd.env("PATH", self.path_env());
         cmd
     }
@@ -130,7 +136,7 @@ pub fn flavor() -> &'static Flavor {
 
 /// The bin dir `scripts/containerd-matrix.sh` gives for `label` (fetched or
 /// built on first use, cached after).
-pub(super) fn matrix_bin_dir(label: &str) -> PathBuf {
+pub(crate) fn matrix_bin_dir(label: &str) -> PathBuf {
     fetched("containerd-matrix.sh", &["fetch", label])
         .into_iter()
         .find(|[l, _, _]| l == label)
@@ -141,9 +147,7 @@ pub(super) fn matrix_bin_dir(label: &str) -> PathBuf {
 /// Runs `scripts/<script> <args>`, whose stdout is one `<name> <version>
 /// <bin dir>` line per item it fetched or built; panics if it fails.
 pub fn fetched(script: &str, args: &[&str]) -> Vec<[String; 3]> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("scripts")
-        .join(script);
+    let script = crate::repo::script(script);
     let out = Command::new(&script)
         .args(args)
         .stderr(Stdio::inherit())

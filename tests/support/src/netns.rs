@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::daemon::{Daemon, NotReady};
+use crate::util::{run_ok, tempdir, try_output_with_timeout};
 
 /// Node addresses, from the benchmarking range (RFC 2544, 198.18.0.0/15):
 /// never routed, and unlike 10/8 or 192.168/16 not what a lab network uses.
@@ -231,7 +232,7 @@ impl Spegel {
         containerd_root: &Path,
         peer_addr: &str,
     ) -> Option<Spegel> {
-        let peer = peers::peer("spegel")?;
+        let peer = crate::peers::peer("spegel")?;
         let dir = tempdir("spegel-");
         let a = node.addr();
         let mut cmd = Command::new(peer.bin_dir.join("spegel"));

@@ -7,9 +7,11 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use super::*;
+use crate::flavor::flavor;
+use crate::grpc::sha256_digest;
+use crate::util::{logs_near, output_with_timeout, run_ok, tempdir, unique_name, TOOL_TIMEOUT};
 
-pub(super) fn overlay_works() -> bool {
+pub(crate) fn overlay_works() -> bool {
     let d = tempdir("overlay-probe-");
     let p = |s: &str| d.path().join(s);
     for s in ["lower", "upper", "work", "merged"] {
@@ -73,7 +75,7 @@ where
     output_with_timeout(ctr_command(sock, ns, args), TOOL_TIMEOUT)
 }
 
-pub(super) fn ctr_command<I, S>(sock: &Path, ns: &str, args: I) -> Command
+pub(crate) fn ctr_command<I, S>(sock: &Path, ns: &str, args: I) -> Command
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use tempfile::TempDir;
 
-use super::{
-    flavor, output_with_timeout, poll, snapshotter, tempdir, unique_name, Daemon, NotReady,
-    TOOL_TIMEOUT,
-};
+use crate::ctr::snapshotter;
+use crate::daemon::{Daemon, NotReady};
+use crate::flavor::{fetched, flavor};
+use crate::util::{output_with_timeout, poll, tempdir, unique_name, POD_TIMEOUT, TOOL_TIMEOUT};
 
 /// One built peer.
 #[derive(Clone, Debug)]
@@ -45,7 +45,7 @@ fn peers() -> &'static Option<HashMap<String, Peer>> {
             return None;
         }
         Some(
-            super::fetched("peers.sh", &["fetch"])
+            fetched("peers.sh", &["fetch"])
                 .into_iter()
                 .map(|[name, version, bin_dir]| {
                     let peer = Peer {
@@ -219,7 +219,7 @@ impl Crictl {
             pod_id,
         });
         let cid = cid.unwrap_or_else(|e| panic!("pod of {image}: {e}"));
-        poll(super::POD_TIMEOUT, || {
+        poll(POD_TIMEOUT, || {
             let out = self.run(["logs", &cid]);
             let text = String::from_utf8_lossy(&out.stdout).into_owned()
                 + &String::from_utf8_lossy(&out.stderr);

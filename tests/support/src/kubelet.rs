@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
-use super::peers::{peer, Peer};
-use super::{free_port, poll, tail_file, tempdir, Daemon, NotReady};
+use crate::daemon::{Daemon, NotReady};
+use crate::peers::{peer, Peer};
+use crate::util::{free_port, poll, tail_file, tempdir};
 
 /// The node name kubelet runs as (`--hostname-override`): static pod
 /// `NAME` shows in `/pods` as `NAME-imgbridge-node`.

@@ -8,7 +8,8 @@ use std::sync::OnceLock;
 
 use tempfile::TempDir;
 
-use super::{run_ok, tempdir};
+use crate::repo::{repo_root, script};
+use crate::util::{run_ok, tempdir};
 
 /// One build of the project's image: an oci-archive `ctr import` reads.
 pub struct ProjectImage {
@@ -20,13 +21,9 @@ pub struct ProjectImage {
     _dir: TempDir,
 }
 
-fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The crate's version, as the release stamps it.
+/// imgbridge's version, as the release stamps it.
 pub fn version() -> &'static str {
-    env!("CARGO_PKG_VERSION")
+    imgbridge::VERSION
 }
 
 /// The static binary: `IMGBRIDGE_STATIC_BINARY` (scripts/test.sh builds it
@@ -42,7 +39,7 @@ pub fn static_binary() -> &'static Path {
             return p;
         }
         eprintln!("building the static binary (scripts/build-static.sh; set IMGBRIDGE_STATIC_BINARY to skip)");
-        let mut cmd = Command::new(repo_root().join("scripts/build-static.sh"));
+        let mut cmd = Command::new(script("build-static.sh"));
         cmd.arg("x86_64")
             .env("CARGO_TARGET_DIR", repo_root().join("target/static-for-tests"));
         let out = run_ok(cmd);
@@ -62,7 +59,7 @@ pub fn project_image(suffix: &str) -> ProjectImage {
     let tag = format!("{}{suffix}", version());
     let name = format!("docker.io/library/imgbridge:{tag}");
     let archive = dir.path().join("imgbridge-oci.tar");
-    let mut cmd = Command::new(repo_root().join("scripts/build-image.sh"));
+    let mut cmd = Command::new(script("build-image.sh"));
     cmd.arg(&archive)
         .arg(format!("amd64={}", static_binary().display()))
         .env("IMGBRIDGE_VERSION", &tag)

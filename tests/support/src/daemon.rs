@@ -14,29 +14,30 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use super::*;
+use crate::shims::{kill_shims, unmount_under};
+use crate::util::{poll, tail_file, READY_TIMEOUT, STOP_GRACE};
 
-pub(super) struct Registered {
+pub(crate) struct Registered {
     pid: i32,
 }
 
-pub(super) static REGISTRY: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+pub(crate) static REGISTRY: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 /// gRPC addresses of containerds started here and not yet dropped; their
 /// shims are killed at exit (even if the containerd was already reaped).
-pub(super) static SHIM_ADDRESSES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-pub(super) static ATEXIT: Once = Once::new();
-pub(super) static OWNER_PID: AtomicU32 = AtomicU32::new(0);
-pub(super) static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
+pub(crate) static SHIM_ADDRESSES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+pub(crate) static ATEXIT: Once = Once::new();
+pub(crate) static OWNER_PID: AtomicU32 = AtomicU32::new(0);
+pub(crate) static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
 
-pub(super) fn registry() -> MutexGuard<'static, Vec<Registered>> {
+pub(crate) fn registry() -> MutexGuard<'static, Vec<Registered>> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub(super) fn keep_tmp() -> bool {
+pub(crate) fn keep_tmp() -> bool {
     std::env::var_os("IMGBRIDGE_TEST_KEEP").is_some_and(|v| v != "0" && !v.is_empty())
 }
 
-pub(super) fn ensure_atexit() {
+pub(crate) fn ensure_atexit() {
     ATEXIT.call_once(|| {
         OWNER_PID.store(std::process::id(), Ordering::SeqCst);
         // SAFETY: registering a plain extern "C" fn without arguments.
@@ -45,7 +46,7 @@ pub(super) fn ensure_atexit() {
     });
 }
 
-pub(super) extern "C" fn cleanup_at_exit() {
+pub(crate) extern "C" fn cleanup_at_exit() {
     // Never unwind across the FFI boundary.
     let _ = std::panic::catch_unwind(|| {
         if std::process::id() != OWNER_PID.load(Ordering::SeqCst) {
@@ -77,9 +78,9 @@ pub(super) extern "C" fn cleanup_at_exit() {
     });
 }
 
-pub(super) type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
+pub(crate) type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
 
-pub(super) fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
+pub(crate) fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
     static TX: OnceLock<mpsc::Sender<SpawnRequest>> = OnceLock::new();
     TX.get_or_init(|| {
         ensure_atexit();
@@ -108,7 +109,7 @@ pub(super) fn spawner() -> &'static mpsc::Sender<SpawnRequest> {
 
 /// Spawns `cmd` as a daemon: death signal SIGKILL (tied to the long-lived
 /// spawner thread, i.e. to this process), pid recorded in the registry.
-pub(super) fn spawn_daemon(mut cmd: Command) -> io::Result<Child> {
+pub(crate) fn spawn_daemon(mut cmd: Command) -> io::Result<Child> {
     // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -134,14 +135,14 @@ pub(super) fn spawn_daemon(mut cmd: Command) -> io::Result<Child> {
 
 /// One spawned daemon process. Reaping always happens under the registry lock
 /// and removes the pid from the registry at the same time.
-pub(super) struct Daemon {
+pub(crate) struct Daemon {
     name: String,
     child: Option<Child>,
     log: PathBuf,
 }
 
 impl Daemon {
-    pub(super) fn spawn(name: &str, mut cmd: Command, log: &Path) -> Daemon {
+    pub(crate) fn spawn(name: &str, mut cmd: Command, log: &Path) -> Daemon {
         let file = File::options()
             .create(true)
             .append(true)
@@ -161,17 +162,17 @@ impl Daemon {
         }
     }
 
-    pub(super) fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
 
-    pub(super) fn running(&self) -> bool {
+    pub(crate) fn running(&self) -> bool {
         self.child.is_some()
     }
 
     /// Non-blocking: returns the exit status if the process has exited (and
     /// reaps/unregisters it).
-    pub(super) fn try_reap(&mut self) -> Option<ExitStatus> {
+    pub(crate) fn try_reap(&mut self) -> Option<ExitStatus> {
         let child = self.child.as_mut()?;
         let pid = child.id() as i32;
         let mut reg = registry();
@@ -195,14 +196,14 @@ impl Daemon {
         }
     }
 
-    pub(super) fn signal(&self, sig: Signal) {
+    pub(crate) fn signal(&self, sig: Signal) {
         if let Some(pid) = self.pid() {
             let _ = kill(Pid::from_raw(pid as i32), sig);
         }
     }
 
     /// SIGKILL and reap.
-    pub(super) fn kill9(&mut self) -> Option<ExitStatus> {
+    pub(crate) fn kill9(&mut self) -> Option<ExitStatus> {
         let mut child = self.child.take()?;
         let pid = child.id() as i32;
         let mut reg = registry();
@@ -215,7 +216,7 @@ impl Daemon {
     /// Sends `sig`, waits up to `grace` for exit. Returns `Ok(status)` if it
     /// exited in time, `Err(())` if it had to be SIGKILLed. `Ok(None)` if it
     /// was not running.
-    pub(super) fn terminate_with(
+    pub(crate) fn terminate_with(
         &mut self,
         sig: Signal,
         grace: Duration,
@@ -234,17 +235,17 @@ impl Daemon {
         Err(())
     }
 
-    pub(super) fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         let _ = self.terminate_with(Signal::SIGTERM, STOP_GRACE);
     }
 
-    pub(super) fn log_tail(&self, lines: usize) -> String {
+    pub(crate) fn log_tail(&self, lines: usize) -> String {
         tail_file(&self.log, lines)
     }
 }
 
 /// Why a daemon did not become ready.
-pub(super) enum NotReady {
+pub(crate) enum NotReady {
     /// It exited first.
     Exited(ExitStatus),
     /// It was still not ready at [`READY_TIMEOUT`].
@@ -254,7 +255,7 @@ pub(super) enum NotReady {
 impl Daemon {
     /// Polls `ready` until it holds, for up to [`READY_TIMEOUT`]; gives up
     /// at once when the process exits meanwhile (and reaps it).
-    pub(super) fn wait_ready(&mut self, mut ready: impl FnMut() -> bool) -> Result<(), NotReady> {
+    pub(crate) fn wait_ready(&mut self, mut ready: impl FnMut() -> bool) -> Result<(), NotReady> {
         let outcome = poll(READY_TIMEOUT, || {
             if let Some(status) = self.try_reap() {
                 return Some(Err(NotReady::Exited(status)));

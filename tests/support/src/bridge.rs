@@ -9,7 +9,10 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use tempfile::TempDir;
 
-use super::*;
+use crate::daemon::{Daemon, NotReady};
+use crate::repo::imgbridge_bin;
+use crate::scenario::config_file;
+use crate::util::{poll, tempdir, READY_TIMEOUT, STOP_GRACE};
 
 /// The proxy under test, listening on `<tmp>/imgbridge.sock`.
 pub struct Imgbridge {
@@ -53,7 +56,7 @@ impl Imgbridge {
         extra_args: &[&str],
     ) -> Imgbridge {
         let log = dir.path().join("imgbridge.log");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbridge"));
+        let mut cmd = Command::new(imgbridge_bin());
         cmd.arg("serve")
             .arg("--listen")
             .arg(&sock)

@@ -6,7 +6,8 @@ use std::process::Command;
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::daemon::{Daemon, NotReady};
+use crate::util::{free_port, http_status, tempdir, READY_TIMEOUT};
 
 /// A `docker-registry` (distribution 2.8) on 127.0.0.1 with filesystem
 /// storage in a temp dir.

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::daemon::{ensure_atexit, keep_tmp, SCRATCH};
+use crate::shims::unmount_under;
 
 /// Deadline for a daemon to become ready.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -46,7 +47,7 @@ pub fn scratch_root() -> &'static Path {
 /// Removes `$TMPDIR/imgbridge-test-<pid>-*` dirs left by test processes that
 /// were SIGKILLed (their pid no longer exists), after detaching any mounts.
 /// Dirs kept on purpose (`IMGBRIDGE_TEST_KEEP`, marker file `KEEP`) stay.
-pub(super) fn sweep_stale_scratch_dirs() {
+pub(crate) fn sweep_stale_scratch_dirs() {
     let Ok(rd) = fs::read_dir(std::env::temp_dir()) else {
         return;
     };
@@ -244,7 +245,7 @@ pub fn http_get(addr: &str, path: &str) -> Option<String> {
 
 /// One HTTP/1.1 request with `Connection: close`; the first `limit` bytes
 /// of the response (the status line, at least).
-pub(super) fn http_request(addr: &str, path: &str, limit: usize) -> Option<String> {
+pub(crate) fn http_request(addr: &str, path: &str, limit: usize) -> Option<String> {
     let sa = addr.parse().ok()?;
     let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(1)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;

@@ -100,7 +100,7 @@ pub fn namespace(req: &Request) -> String {
 /// Relays `req` to the containerd at `real` (a connection per call).
 pub async fn relay(real: &Path, req: Request) -> Response {
     let path = req.uri().path().to_string();
-    let mut send = super::h2_connect(real).await;
+    let mut send = crate::grpc::h2_connect(real).await;
     let (mut parts, body) = req.into_parts();
     parts.uri = format!("http://localhost{path}").parse().unwrap();
     let resp = send

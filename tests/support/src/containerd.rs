@@ -4,12 +4,21 @@ use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::*;
+use crate::cri::try_cri_image_status;
+use crate::ctr::{ctr, ctr_command, ctr_ok, snapshotter};
+use crate::daemon::{keep_tmp, Daemon, NotReady, SHIM_ADDRESSES};
+use crate::flavor::flavor;
+use crate::images::{pause_image, PAUSE_IMAGE};
+use crate::repo::script;
+use crate::shims::{kill_shims, shims_of, unmount_under};
+use crate::util::{
+    block_on_thread, poll_async, run_ok, tempdir, try_output_with_timeout, READY_TIMEOUT,
+};
 
 /// Options for [`Containerd::start`].
 #[derive(Clone, Debug, Default)]
@@ -21,7 +30,7 @@ pub struct ContainerdOpts {
     /// With `cri`: a registry `host:port` that CRI pulls from over plain http.
     pub registry_mirror: Option<String>,
     /// Run containerd (and so its shims and host-network pods) inside this
-    /// network namespace (`/run/netns/<name>`), see [`super::netns`].
+    /// network namespace (`/run/netns/<name>`), see [`crate::netns`].
     pub netns: Option<PathBuf>,
     /// With `cri`: `(registry host, hosts.toml)` pairs written under the
     /// registry `config_path` (`<dir>/certs.d`), which every version then
@@ -83,7 +92,7 @@ impl Containerd {
         cmd.env_remove("CONTAINERD_ADDRESS")
             .env_remove("CONTAINERD_NAMESPACE");
         if let Some(ns) = netns {
-            cmd = super::netns::wrap_in(ns, cmd);
+            cmd = crate::netns::wrap_in(ns, cmd);
         }
         let mut addrs = SHIM_ADDRESSES.lock().unwrap_or_else(|e| e.into_inner());
         if !addrs.iter().any(|a| a == sock) {
@@ -205,7 +214,7 @@ impl Containerd {
         self.daemon.kill9();
     }
 
-    /// Graceful stop: SIGTERM, wait up to [`STOP_GRACE`], then SIGKILL.
+    /// Graceful stop: SIGTERM, wait up to [`crate::util::STOP_GRACE`], then SIGKILL.
     pub fn stop(&mut self) {
         self.daemon.stop();
     }
@@ -306,179 +315,51 @@ impl Drop for Containerd {
     }
 }
 
-pub(super) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
-    let p = |s: &str| d.join(s).display().to_string();
-    let policy = if opts.isolated { "isolated" } else { "shared" };
-    let v2 = flavor().is_v2();
-    // 2.x's CRI is split into images and runtime plugins.
-    let cri_plugins = if v2 {
-        r#""io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime""#
-    } else {
-        r#""io.containerd.grpc.v1.cri""#
-    };
-    // Sockets: top-level sections up to config version 3; from 4 (2.3+)
-    // the servers are plugins like everything else.
-    let (sock, ttrpc) = (p("containerd.sock"), p("containerd.sock.ttrpc"));
-    let version = flavor().config_version();
-    let (servers, server_plugins) = if version >= 4 {
-        (
-            String::new(),
-            format!(
-                r#"  [plugins."io.containerd.server.v1.grpc"]
-    address = "{sock}"
-  [plugins."io.containerd.server.v1.ttrpc"]
-    address = "{ttrpc}"
-  [plugins."io.containerd.server.v1.debug"]
-    address = ""
-  [plugins."io.containerd.server.v1.metrics"]
-    address = ""
-"#
-            ),
-        )
-    } else {
-        (
-            format!(
-                r#"[grpc]
-  address = "{sock}"
-
-[ttrpc]
-  address = "{ttrpc}"
-
-[debug]
-  address = ""
-
-[metrics]
-  address = ""
-"#
-            ),
-            String::new(),
-        )
-    };
-    let mut cfg = format!(
-        r#"version = {version}
-root = "{root}"
-state = "{state}"
-disabled_plugins = [{disabled}]
-
-{servers}
-[plugins]
-{server_plugins}  [plugins."io.containerd.internal.v1.opt"]
-    path = "{opt}"
-  [plugins."io.containerd.metadata.v1.bolt"]
-    content_sharing_policy = "{policy}"
-  # Tests stand in for buildkit with `ctr content ingest`, which (unlike
-  # buildkit) leaves the blob unreferenced until the test labels it or names
-  # an image after it. containerd's defaults collect 100 ms after start and
-  # at once after any deletion (a lease released anywhere), which made that
-  # window a race. GC here runs only when asked for (Images.Delete sync, as
-  # the GC-safety test does).
-  [plugins."io.containerd.gc.v1.scheduler"]
-    startup_delay = "0s"
-    deletion_threshold = 1000000
-    mutation_threshold = 1000000
-"#,
-        root = p("root"),
-        state = p("state"),
-        opt = p("opt"),
-        disabled = if opts.cri { "" } else { cri_plugins },
-    );
-    if !opts.cri {
-        return cfg;
+/// The config of the containerd in `d`, from
+/// `scripts/lib/containerd-config.sh`: the one generator, which `try.sh` and
+/// the bench scripts use too (it picks the config version from this
+/// containerd's `--version`). The GC runs only
+/// when asked for (`--manual-gc`): tests stand in for buildkit with `ctr
+/// content ingest`, which leaves a blob unreferenced until the test labels
+/// it or names an image after it, and containerd's default GC (100 ms
+/// after start, at once after any deletion) made that window a race.
+///
+/// `registry_hosts` are written here, not by the script: their contents
+/// are each test's own (the script writes only a `--mirror`'s hosts.toml,
+/// whose form depends on the containerd version).
+pub(crate) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
+    let f = flavor();
+    let mut cmd = Command::new(script("lib/containerd-config.sh"));
+    cmd.env("PATH", f.path_env())
+        .arg("--dir")
+        .arg(d)
+        .arg("--containerd")
+        .arg(f.bin("containerd"))
+        .arg("--manual-gc");
+    if opts.isolated {
+        cmd.arg("--isolated");
     }
-    let snap = snapshotter();
-    let runc_root = p("runc");
-    let (cni_bin, cni_conf) = (p("cni/bin"), p("cni/net.d"));
-    // Only with registry_hosts, so every other config stays as it was.
-    let discard = match (opts.registry_hosts.is_empty(), v2) {
-        (true, _) => "",
-        (false, true) => "    discard_unpacked_layers = false\n",
-        (false, false) => "      discard_unpacked_layers = false\n",
-    };
-    if v2 {
-        let certs = d.join("certs.d");
+    if opts.cri {
+        cmd.args(["--cri", "--snapshotter", snapshotter()])
+            .args(["--sandbox-image", PAUSE_IMAGE]);
         if let Some(mirror) = &opts.registry_mirror {
-            // 2.x dropped the `mirrors` table: hosts.toml under config_path.
-            let host_dir = certs.join(mirror);
-            fs::create_dir_all(&host_dir).expect("create certs.d");
-            fs::write(
-                host_dir.join("hosts.toml"),
-                format!(
-                    "server = \"http://{mirror}\"\n[host.\"http://{mirror}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
-                ),
-            )
-            .expect("write hosts.toml");
+            cmd.args(["--mirror", mirror]);
         }
-        write_registry_hosts(&certs, opts);
-        cfg.push_str(&format!(
-            r#"  # NRI is on by default in 2.x; its socket would be shared by
-  # every containerd of the test process.
-  [plugins."io.containerd.nri.v1.nri"]
-    socket_path = "{nri}"
-  [plugins."io.containerd.grpc.v1.cri"]
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-  [plugins."io.containerd.cri.v1.images"]
-    snapshotter = "{snap}"
-{discard}    [plugins."io.containerd.cri.v1.images".pinned_images]
-      sandbox = "{PAUSE_IMAGE}"
-    [plugins."io.containerd.cri.v1.images".registry]
-      config_path = "{certs}"
-  [plugins."io.containerd.cri.v1.runtime"]
-    disable_apparmor = true
-    restrict_oom_score_adj = true
-    [plugins."io.containerd.cri.v1.runtime".containerd]
-      default_runtime_name = "runc"
-      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-          # runc state in our temp dir instead of /run/containerd/runc
-          Root = "{runc_root}"
-    [plugins."io.containerd.cri.v1.runtime".cni]
-      bin_dirs = ["{cni_bin}"]
-      conf_dir = "{cni_conf}"
-"#,
-            certs = certs.display(),
-            nri = p("nri.sock"),
-        ));
-        return cfg;
+        if !opts.registry_hosts.is_empty() {
+            let certs = d.join("certs.d");
+            write_registry_hosts(&certs, opts);
+            cmd.arg("--certs").arg(&certs).arg("--keep-unpacked-layers");
+        }
     }
-    cfg.push_str(&format!(
-        r#"  [plugins."io.containerd.grpc.v1.cri"]
-    disable_apparmor = true
-    restrict_oom_score_adj = true
-    sandbox_image = "{PAUSE_IMAGE}"
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    [plugins."io.containerd.grpc.v1.cri".containerd]
-      snapshotter = "{snap}"
-{discard}      default_runtime_name = "runc"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-          # runc state in our temp dir instead of /run/containerd/runc
-          Root = "{runc_root}"
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "{cni_bin}"
-      conf_dir = "{cni_conf}"
-"#
-    ));
-    if let Some(mirror) = &opts.registry_mirror {
-        cfg.push_str(&format!(
-            r#"    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{mirror}"]
-      endpoint = ["http://{mirror}"]
-"#
-        ));
-    }
-    if !opts.registry_hosts.is_empty() {
-        let certs = d.join("certs.d");
-        write_registry_hosts(&certs, opts);
-        cfg.push_str(&format!(
-            r#"    [plugins."io.containerd.grpc.v1.cri".registry]
-      config_path = "{certs}"
-"#,
-            certs = certs.display(),
-        ));
-    }
+    let out = run_ok(cmd);
+    let cfg = String::from_utf8(out.stdout).expect("containerd-config.sh printed UTF-8");
+    // The generator and doctor agree on the version this containerd reads.
+    let version = f.config_version();
+    assert!(
+        cfg.starts_with(&format!("version = {version}\n")),
+        "containerd-config.sh wrote another version than doctor's {version} for containerd {}:\n{cfg}",
+        f.version
+    );
     cfg
 }
 

@@ -5,7 +5,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::*;
+use crate::bridge::Imgbridge;
+use crate::containerd::{Containerd, ContainerdOpts};
+use crate::ctr::ctr_ok;
+use crate::util::tempdir;
 
 /// A containerd of the flavour under test, with or without an imgbridge in
 /// front of it. Build it, then [`Scenario::start`] (both) or
