@@ -354,7 +354,7 @@ impl Config {
             ("replication.protect", &r.protect),
             ("replication.overwrite", &r.overwrite),
         ] {
-            if let Err(e) = crate::replicate::protect::Globs::new(globs) {
+            if let Err(e) = crate::globs::Globs::new(globs) {
                 return bad(format!("{key}: {e}"));
             }
         }

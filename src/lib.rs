@@ -14,6 +14,7 @@ pub mod backoff;
 pub mod config;
 pub mod containerd;
 pub mod etc_group;
+pub mod globs;
 pub mod import;
 pub mod labels;
 pub mod listener;

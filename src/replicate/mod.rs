@@ -14,6 +14,7 @@
 //! `pending.rs`), record (`record.rs`) and confirm (`confirm.rs`).
 
 mod announce;
+mod apply;
 pub mod commit;
 mod confirm;
 mod cri_id;

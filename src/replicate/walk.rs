@@ -1,4 +1,4 @@
-//! The apply phase ([docs/design.md](../../docs/design.md#replication),
+//! The walk of the apply phase ([`super::apply`], [docs/design.md](../../docs/design.md#replication),
 //! step 2): every blob of the tree that the source holds is made visible
 //! in the target with its labels, under a lease; the blobs the source
 //! lacks are noted, each with whether a pod on this node could need it,
@@ -16,10 +16,9 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::OnceCell;
 
-use super::record::Plan;
 use super::spare::Lease;
 use super::tree::{self, Child, Need};
-use super::{announce, pending, protect, Outcome, Replicator};
+use super::{announce, protect, Outcome, Replicator};
 use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Descriptor};
 use crate::labels::{CRI_NAMESPACE, DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT};
@@ -237,50 +236,6 @@ impl Walk {
 }
 
 impl Replicator {
-    /// The apply phase: the tree the plan found (the hinted walk if it was
-    /// the record's tree, else a new one) made visible in `target`, and
-    /// the blobs the source lacks queued ([`pending`]) for this image.
-    /// Returns the tree, which holds the lease until the records are in,
-    /// and what this replication wrote.
-    pub(super) async fn apply(
-        &self,
-        source: &str,
-        target: &str,
-        plan: &mut Plan<'_>,
-    ) -> Result<(Arc<Walked>, Outcome), ctrd::Error> {
-        let walk = match plan.early.take() {
-            Some((h, w)) if h.digest == plan.root.digest => w,
-            other => {
-                // A walk of another tree is not used, but held (its lease
-                // with it) until the replication ends, as it always was.
-                plan.early = other;
-                let open = protect::Gate::open();
-                let registry = Some(&plan.replica.registry);
-                self.walk_shared(source, target, registry, &plan.root, &open)
-                    .await
-            }
-        };
-        let (tree, shared) = walk?;
-        for (child, need) in &tree.found.missing {
-            self.pending.add(pending::Item {
-                source: source.into(),
-                target: target.into(),
-                owner: pending::Owner {
-                    image: plan.image.name.clone(),
-                    root: plan.root.digest.clone(),
-                    need: *need,
-                },
-                child: child.clone(),
-            });
-        }
-        let outcome = match shared {
-            // Another replication of the same tree wrote (and counted) it.
-            true => Outcome::default(),
-            false => tree.found.outcome.clone(),
-        };
-        Ok((tree, outcome))
-    }
-
     /// [`Self::walk`] once per tree and target for every replication that
     /// needs it at the same time (a burst of names for one image): the
     /// first walks, the others wait for it and share its result. The
