@@ -179,8 +179,6 @@ BK_BIN=$(awk '$1 == "buildkit" {print $3}' <<<"$peers")
 CRICTL_BIN=$(awk '$1 == "crictl" {print $3}' <<<"$peers")
 export PATH="$CTRD_BIN:$PATH" # its ctr and shim first, for everything below
 CTRD_VER=$("$CTRD_BIN/containerd" --version | awk '{print $3}')
-read -r MAJ MIN < <(sed -E 's/^v//; s/^([0-9]+)\.([0-9]+).*/\1 \2/' <<<"$CTRD_VER")
-if ((MAJ < 2)); then CFG_VER=2; elif ((MIN <= 2)); then CFG_VER=3; else CFG_VER=4; fi
 BK_VER=$("$BK_BIN/buildkitd" --version | awk '{print $3}')
 CRICTL_VER=$("$CRICTL_BIN/crictl" --version | awk '{print $3}')
 
@@ -312,96 +310,11 @@ PAUSE=registry.k8s.io/pause:3.6
 D="$T/containerd"
 mkdir -p "$D/cni/bin" "$D/cni/net.d" "$D/certs.d"
 cfg="$D/config.toml"
-{
-  echo "version = $CFG_VER"
-  echo "root = \"$D/root\""
-  echo "state = \"$D/state\""
-  if ((CFG_VER < 4)); then
-    cat <<EOF
-[grpc]
-  address = "$C"
-[ttrpc]
-  address = "$C.ttrpc"
-[debug]
-  address = ""
-[metrics]
-  address = ""
-[plugins]
-EOF
-  else
-    cat <<EOF
-[plugins]
-  [plugins."io.containerd.server.v1.grpc"]
-    address = "$C"
-  [plugins."io.containerd.server.v1.ttrpc"]
-    address = "$C.ttrpc"
-  [plugins."io.containerd.server.v1.debug"]
-    address = ""
-  [plugins."io.containerd.server.v1.metrics"]
-    address = ""
-EOF
-  fi
-  cat <<EOF
-  [plugins."io.containerd.internal.v1.opt"]
-    path = "$D/opt"
-EOF
-  if ((MAJ >= 2)); then
-    if [ -n "$REG" ]; then
-      mkdir -p "$D/certs.d/$REG"
-      printf 'server = "http://%s"\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$REG" "$REG" >"$D/certs.d/$REG/hosts.toml"
-    fi
-    cat <<EOF
-  [plugins."io.containerd.nri.v1.nri"]
-    socket_path = "$D/nri.sock"
-  [plugins."io.containerd.grpc.v1.cri"]
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-  [plugins."io.containerd.cri.v1.images"]
-    snapshotter = "$snap"
-    [plugins."io.containerd.cri.v1.images".pinned_images]
-      sandbox = "$PAUSE"
-    [plugins."io.containerd.cri.v1.images".registry]
-      config_path = "$D/certs.d"
-  [plugins."io.containerd.cri.v1.runtime"]
-    disable_apparmor = true
-    restrict_oom_score_adj = true
-    [plugins."io.containerd.cri.v1.runtime".containerd]
-      default_runtime_name = "runc"
-      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-          Root = "$D/runc"
-    [plugins."io.containerd.cri.v1.runtime".cni]
-      bin_dirs = ["$D/cni/bin"]
-      conf_dir = "$D/cni/net.d"
-EOF
-  else
-    cat <<EOF
-  [plugins."io.containerd.grpc.v1.cri"]
-    disable_apparmor = true
-    restrict_oom_score_adj = true
-    sandbox_image = "$PAUSE"
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    [plugins."io.containerd.grpc.v1.cri".containerd]
-      snapshotter = "$snap"
-      default_runtime_name = "runc"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-          Root = "$D/runc"
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "$D/cni/bin"
-      conf_dir = "$D/cni/net.d"
-EOF
-    if [ -n "$REG" ]; then
-      cat <<EOF
-    [plugins."io.containerd.grpc.v1.cri".registry.mirrors."$REG"]
-      endpoint = ["http://$REG"]
-EOF
-    fi
-  fi
-} >"$cfg"
+# The one generator of a private containerd's config (scripts/lib/); on 2.x
+# it writes $REG's hosts.toml under $D/certs.d, on 1.x a mirrors entry.
+scripts/lib/containerd-config.sh --dir "$D" --containerd "$CTRD_BIN/containerd" --socket "$C" \
+  --cri --snapshotter "$snap" --sandbox-image "$PAUSE" ${REG:+--mirror "$REG"} >"$cfg"
+CFG_VER=$(awk '$1 == "version" {print $3; exit}' "$cfg")
 "$CTRD_BIN/containerd" --config "$cfg" --log-level warn >"$D/containerd.log" 2>&1 &
 pids+=($!)
 wait_sock "$C"
