@@ -148,27 +148,24 @@ impl Walker<'_> {
                 d.digest
             )));
         };
-        let cb = self.present(cfg).map_err(|e| {
-            WalkError::Bad(format!(
-                "manifest {} names config {}: {}",
-                d.digest,
-                cfg.digest,
-                e.msg()
-            ))
-        })?;
-        push_retained(&mut out, &cfg.descriptor(), cb, BTreeMap::new());
-        labels.insert(format!("{GC_REF}.config"), cfg.digest.clone());
-        for (i, l) in m.layers.iter().flatten().enumerate() {
-            let lb = self.present(l).map_err(|e| {
+        let children = std::iter::once(("config", cfg, "config".to_string())).chain(
+            m.layers
+                .iter()
+                .flatten()
+                .enumerate()
+                .map(|(i, l)| ("layer", l, format!("l.{i}"))),
+        );
+        for (kind, c, key) in children {
+            let b = self.present(c).map_err(|e| {
                 WalkError::Bad(format!(
-                    "manifest {} names layer {}: {}",
+                    "manifest {} names {kind} {}: {}",
                     d.digest,
-                    l.digest,
+                    c.digest,
                     e.msg()
                 ))
             })?;
-            push_retained(&mut out, &l.descriptor(), lb, BTreeMap::new());
-            labels.insert(format!("{GC_REF}.l.{i}"), l.digest.clone());
+            push_retained(&mut out, &c.descriptor(), b, BTreeMap::new());
+            labels.insert(format!("{GC_REF}.{key}"), c.digest.clone());
         }
         Ok((labels, out))
     }

@@ -40,25 +40,27 @@ pub(in crate::ops::doctor) async fn namespaces(config: &Config, r: &mut Report) 
             .cloned()
             .collect()
     };
-    let ms = missing(&rep.source_namespaces);
-    if ms.is_empty() {
-        r.pass("source namespaces", rep.source_namespaces.join(", "));
-    } else {
-        r.warn(
+    let kinds = [
+        (
             "source namespaces",
-            format!("{} not present yet (nothing was built there)", ms.join(", ")),
+            &rep.source_namespaces,
+            " (nothing was built there)",
             "point buildkit at imgbridge with [worker.containerd] namespace set to a source namespace; it is created on the first build",
-        );
-    }
-    let mt = missing(&rep.target_namespaces);
-    if mt.is_empty() {
-        r.pass("target namespaces", rep.target_namespaces.join(", "));
-    } else {
-        r.warn(
+        ),
+        (
             "target namespaces",
-            format!("{} not present yet", mt.join(", ")),
+            &rep.target_namespaces,
+            "",
             "k8s.io appears once the CRI plugin (kubelet) uses it; imgbridge creates targets on the first replication",
-        );
+        ),
+    ];
+    for (what, names, why, hint) in kinds {
+        let m = missing(names);
+        if m.is_empty() {
+            r.pass(what, names.join(", "));
+        } else {
+            r.warn(what, format!("{} not present yet{why}", m.join(", ")), hint);
+        }
     }
     crate::ops::doctor::protected::check(config, &c, r).await;
 }
