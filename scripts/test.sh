@@ -66,6 +66,9 @@ cargo fmt --all --check
 echo "==> cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+echo "==> scripts/module-graph.py (no import cycle in src/)"
+scripts/module-graph.py
+
 echo "==> cargo test --lib --bins (unit tests, once)"
 cargo test --lib --bins -- --test-threads=2
 
