@@ -153,6 +153,9 @@ cyclonedx="$(cargo_tool cargo-cyclonedx 0.5.9 cargo-cyclonedx)"
 # the same fixed path for every checkout, so the SBOM is reproducible too.
 sed "s|path+file://$repo_root#|path+file:///build#|g" "imgbridge-$version.cdx.json" >"$dist/imgbridge-$version.cdx.json"
 rm "imgbridge-$version.cdx.json"
+# It writes one per workspace member: the test harness's (tests/support) is
+# not shipped.
+rm -f "tests/support/imgbridge-$version.cdx.json"
 grep -F "$repo_root" "$dist/imgbridge-$version.cdx.json" >/dev/null && die "the SBOM still names $repo_root"
 
 # ------------------------------------------------------------------ checksums
