@@ -18,6 +18,22 @@ if [[ "$(id -u)" -ne 0 ]]; then
     exit 1
 fi
 
+# Disk: a cold run writes about 10 GiB under target/ and briefly a few GiB
+# of images and layers under TMPDIR (measured in docs/testing.md, "Disk").
+# Checked first, so a full disk is one clear line rather than thirty
+# failing tests half an hour in.
+need_gib="${IMGBRIDGE_NEED_DISK_GIB:-20}"
+for dir in "$repo_root" "${TMPDIR:-/tmp}"; do
+    free_gib=$(( $(df -Pk "$dir" | awk 'NR == 2 {print $4}') / 1048576 ))
+    if (( free_gib < need_gib )); then
+        echo "scripts/test.sh: only ${free_gib} GiB free under $dir; a full run needs about ${need_gib} GiB (free some space, or set IMGBRIDGE_NEED_DISK_GIB if you know better)" >&2
+        exit 1
+    fi
+done
+# One clean build per run: incremental state would double target/ and CI
+# never reuses it.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 # Tools the harness needs: the binaries, plus a static busybox for test images.
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
 # readiness; unshare: kubelet's own mount namespace; make/gcc: jemalloc is
