@@ -367,24 +367,8 @@ if want h; then start_imgbridge "$T/confirm" "$IB" $'[replication]\nconfirm_dire
 start_buildkitd() {
   local n=$1 sock=$2 ns=$3 d="$T/bk-$1" i
   mkdir -p "$d"
-  cat >"$d/buildkitd.toml" <<EOF
-root = "$d/root"
-[grpc]
-  address = ["unix://$d/buildkitd.sock"]
-[worker.oci]
-  enabled = false
-[worker.containerd]
-  enabled = true
-  address = "$sock"
-  namespace = "$ns"
-  snapshotter = "$snap"
-  gc = false
-[otel]
-  socketPath = "$d/otel-grpc.sock"
-EOF
-  if [ -n "$REG" ]; then
-    printf '[registry."%s"]\n  http = true\n  insecure = true\n' "$REG" >>"$d/buildkitd.toml"
-  fi
+  scripts/lib/buildkitd-config.sh --dir "$d" --containerd "$sock" --namespace "$ns" \
+    --snapshotter "$snap" ${REG:+--registry "$REG"} >"$d/buildkitd.toml"
   "$BK_BIN/buildkitd" --config "$d/buildkitd.toml" >"$d/buildkitd.log" 2>&1 &
   pids+=($!)
   for ((i = 0; i < 600; i++)); do
@@ -412,58 +396,18 @@ want h && start_buildkitd h "$T/confirm/imgbridge.sock" k8s.io
 bk_of() { case $1 in c | d) echo c ;; *) echo "$1" ;; esac; }
 
 # ---------------------------------------------------------------- kubelet (BENCH_POD=kubelet)
-# Standalone (no API server), static pods, as tests/support/src/kubelet.rs starts
-# it: ports on loopback, image GC and disk eviction off, no kubepods cgroups.
+# Standalone (no API server), static pods, configured and run as the harness does
+# (scripts/lib/kubelet-config.sh, kubelet-ns.sh): ports on loopback, image GC and
+# disk eviction off, no kubepods cgroups.
 NODE=imgbridge-bench
 if [ "$POD" = kubelet ]; then
   K="$T/kubelet"
-  mkdir -p "$K/manifests" "$K/root" "$K/pod-logs" "$K/sysctl"
+  mkdir -p "$K/manifests" "$K/root" "$K/pod-logs"
   free_port() { local p; while :; do p=$((20000 + RANDOM % 40000)); port_free "$p" && { echo "$p"; return; }; done; }
   KRO=$(free_port)
-  cat >"$K/kubelet.yaml" <<KUBELET
-apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-staticPodPath: $K/manifests
-fileCheckFrequency: 1s
-containerRuntimeEndpoint: unix://$C
-imageServiceEndpoint: unix://$C
-podLogsDir: $K/pod-logs
-volumePluginDir: $K/volume-plugins
-cgroupDriver: cgroupfs
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
-failCgroupV1: false
-failSwapOn: false
-makeIPTablesUtilChains: false
-address: 127.0.0.1
-port: $(free_port)
-readOnlyPort: $KRO
-healthzBindAddress: 127.0.0.1
-healthzPort: $(free_port)
-authentication:
-  anonymous:
-    enabled: true
-  webhook:
-    enabled: false
-authorization:
-  mode: AlwaysAllow
-evictionHard:
-  memory.available: "1Mi"
-imageGCHighThresholdPercent: 100
-KUBELET
-  # kubelet sets these host sysctls with no setting to stop it: files with
-  # the values it wants are bind-mounted over them in its own namespace.
-  script="set -e"
-  for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1 \
-    kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000; do
-    f="$K/sysctl/$(tr / . <<<"${kv%%=*}")"
-    echo "${kv#*=}" >"$f"
-    script+=$'\n'"mount --bind $f /proc/sys/${kv%%=*}"
-  done
-  script+=$'\n''mount -t tmpfs -o size=16m kubelet-var-lib /var/lib'
-  script+=$'\n''mount -t tmpfs -o size=16m kubelet-var-log /var/log'
-  script+=$'\n''exec "$@"'
-  unshare --mount --propagation private -- sh -c "$script" kubelet "$KUBELET_BIN/kubelet" \
+  scripts/lib/kubelet-config.sh --dir "$K" --endpoint "$C" \
+    --port "$(free_port)" --read-only-port "$KRO" --healthz-port "$(free_port)" >"$K/kubelet.yaml"
+  scripts/lib/kubelet-ns.sh "$K" "$KUBELET_BIN/kubelet" \
     --config="$K/kubelet.yaml" --root-dir="$K/root" --hostname-override="$NODE" --v=2 >"$K/kubelet.log" 2>&1 &
   pids+=($!)
   for ((i = 0; i < 600; i++)); do

@@ -910,9 +910,13 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_upload_sessions_are_bounded_and_expire() {
     const MAX: usize = 1000;
-    // The expiry outlasts opening them all (a few seconds) with room to
-    // spare on a loaded machine: none expires before the limit is checked.
-    let s = start(&format!("max_uploads = {MAX}\nupload_expiry = \"30s\""));
+    // The expiry outlasts opening them all (a few seconds quiet, 47 s on a
+    // machine at load 8) so none expires before the limit is checked.
+    const EXPIRY: Duration = Duration::from_secs(60);
+    let s = start(&format!(
+        "max_uploads = {MAX}\nupload_expiry = \"{}s\"",
+        EXPIRY.as_secs()
+    ));
     let opened = std::time::Instant::now();
     let c = imgbridge::containerd::Containerd::new(s.c.socket());
     let leases = || {
@@ -937,7 +941,7 @@ async fn idle_upload_sessions_are_bounded_and_expire() {
     }
     let r = http(&s.addr, "POST", "/v2/idle/blobs/uploads/", &[], b"");
     assert!(
-        opened.elapsed() < Duration::from_secs(30),
+        opened.elapsed() < EXPIRY,
         "opening {MAX} sessions took {:?}: longer than their expiry",
         opened.elapsed()
     );
@@ -948,7 +952,7 @@ async fn idle_upload_sessions_are_bounded_and_expire() {
         r.text()
     );
     assert!(leases() >= baseline + MAX);
-    let released = poll(Duration::from_secs(90), || {
+    let released = poll(EXPIRY + Duration::from_secs(60), || {
         let statuses = block_on(c.content().list_statuses(imgbridge::containerd::request(
             SRC,
             None,

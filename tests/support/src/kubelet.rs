@@ -24,7 +24,8 @@ use tempfile::TempDir;
 
 use crate::daemon::{Daemon, NotReady};
 use crate::peers::{peer, Peer};
-use crate::util::{free_port, poll, tail_file, tempdir};
+use crate::repo::script;
+use crate::util::{free_port, poll, run_ok, tail_file, tempdir};
 
 /// The node name kubelet runs as (`--hostname-override`): static pod
 /// `NAME` shows in `/pods` as `NAME-imgbridge-node`.
@@ -35,17 +36,21 @@ pub const NODE: &str = "imgbridge-node";
 /// than crictl's three calls.
 pub const KUBELET_POD_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The sysctls kubelet's container manager sets (`setupKernelTunables`),
-/// with the values it wants: each is a file bind-mounted over
-/// `/proc/sys/<path>` in kubelet's mount namespace.
-const SYSCTLS: [(&str, &str); 6] = [
-    ("vm/overcommit_memory", "1"),
-    ("vm/panic_on_oom", "0"),
-    ("kernel/panic", "10"),
-    ("kernel/panic_on_oops", "1"),
-    ("kernel/keys/root_maxkeys", "1000000"),
-    ("kernel/keys/root_maxbytes", "25000000"),
-];
+/// The sysctls kubelet's container manager sets (`setupKernelTunables`):
+/// `scripts/lib/kubelet-ns.sh` hides each behind a file in kubelet's mount
+/// namespace and lists them.
+fn sysctls() -> Vec<String> {
+    let out = run_ok({
+        let mut c = Command::new(script("lib/kubelet-ns.sh"));
+        c.arg("--sysctls");
+        c
+    });
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
 
 /// Host paths kubelet creates whatever its root dir (hidden by the tmpfs
 /// mounts; checked after it stops).
@@ -110,7 +115,7 @@ impl Kubelet {
     pub fn start(opts: KubeletOpts) -> Option<Kubelet> {
         let peer = peer("kubelet")?;
         let dir = tempdir("kubelet-");
-        for sub in ["manifests", "root", "pod-logs", "sysctl"] {
+        for sub in ["manifests", "root", "pod-logs"] {
             fs::create_dir_all(dir.path().join(sub)).expect("kubelet dirs");
         }
         let read_only = format!("127.0.0.1:{}", free_port());
@@ -126,99 +131,34 @@ impl Kubelet {
         Some(k)
     }
 
+    /// From `scripts/lib/kubelet-config.sh`, the one generator (the dev-loop
+    /// bench uses it too); `opts.extra` overrides its defaults.
     fn config(&self) -> String {
         let d = self.dir.path();
-        let port = |a: &str| a.rsplit(':').next().unwrap_or_default().to_string();
-        format!(
-            r#"apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-staticPodPath: {manifests}
-fileCheckFrequency: 1s
-syncFrequency: 10s
-podLogsDir: {logs}
-volumePluginDir: {plugins}
-cgroupDriver: cgroupfs
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
-failCgroupV1: false
-failSwapOn: false
-makeIPTablesUtilChains: false
-address: 127.0.0.1
-port: {port}
-readOnlyPort: {ro}
-healthzBindAddress: 127.0.0.1
-healthzPort: {healthz}
-authentication:
-  anonymous:
-    enabled: true
-  webhook:
-    enabled: false
-authorization:
-  mode: AlwaysAllow
-{defaults}{extra}"#,
-            manifests = d.join("manifests").display(),
-            logs = d.join("pod-logs").display(),
-            plugins = d.join("volume-plugins").display(),
-            port = free_port(),
-            ro = port(&self.read_only),
-            healthz = free_port(),
-            defaults = self.defaults(),
-            extra = self.opts.extra,
-        )
-    }
-
-    /// Both CRI endpoints on `opts.endpoint`; no eviction on this shared
-    /// machine's disk and image GC off (both would act on every test's
-    /// images). A test that sets a key gets its value.
-    fn defaults(&self) -> String {
-        let sock = format!("unix://{}", self.opts.endpoint.display());
-        [
-            (
-                "containerRuntimeEndpoint:",
-                format!("containerRuntimeEndpoint: {sock}\n"),
-            ),
-            (
-                "imageServiceEndpoint:",
-                format!("imageServiceEndpoint: {sock}\n"),
-            ),
-            (
-                "evictionHard:",
-                "evictionHard:\n  memory.available: \"1Mi\"\n".into(),
-            ),
-            (
-                "imageGCHighThresholdPercent:",
-                "imageGCHighThresholdPercent: 100\n".into(),
-            ),
-        ]
-        .into_iter()
-        .filter(|(key, _)| !self.opts.extra.contains(key))
-        .map(|(_, yaml)| yaml)
-        .collect()
+        let extra = d.join("extra.yaml");
+        fs::write(&extra, &self.opts.extra).expect("write kubelet extra config");
+        let port = self.read_only.rsplit(':').next().unwrap_or_default();
+        let mut cmd = Command::new(script("lib/kubelet-config.sh"));
+        cmd.arg("--dir")
+            .arg(d)
+            .arg("--endpoint")
+            .arg(&self.opts.endpoint)
+            .args(["--port", &free_port().to_string()])
+            .args(["--read-only-port", port])
+            .args(["--healthz-port", &free_port().to_string()])
+            .arg("--extra")
+            .arg(&extra);
+        String::from_utf8(run_ok(cmd).stdout).expect("kubelet-config.sh printed UTF-8")
     }
 
     fn spawn(&mut self) {
         let d = self.dir.path().to_path_buf();
         let config = d.join("kubelet.yaml");
         fs::write(&config, self.config()).expect("write kubelet config");
-        // The mount namespace: sysctl values, then tmpfs over the host paths
-        // kubelet writes whatever its root dir; then kubelet itself (exec:
-        // the pid stays the one spawned, so it is stopped by that pid).
-        let mut script = String::from("set -e\n");
-        for (path, value) in SYSCTLS {
-            let file = d.join("sysctl").join(path.replace('/', "."));
-            fs::write(&file, format!("{value}\n")).expect("sysctl file");
-            script.push_str(&format!(
-                "mount --bind {} /proc/sys/{path}\n",
-                file.display()
-            ));
-        }
-        script.push_str("mount -t tmpfs -o size=16m,mode=755 kubelet-var-lib /var/lib\n");
-        script.push_str("mount -t tmpfs -o size=16m,mode=755 kubelet-var-log /var/log\n");
-        script.push_str("exec \"$@\"\n");
-        let mut cmd = Command::new("unshare");
-        cmd.args(["--mount", "--propagation", "private", "--", "sh", "-c"])
-            .arg(&script)
-            .arg("kubelet")
+        // Its own mount namespace (scripts/lib/kubelet-ns.sh), which execs
+        // kubelet: the pid stays the one spawned, so it is stopped by that pid.
+        let mut cmd = Command::new(script("lib/kubelet-ns.sh"));
+        cmd.arg(&d)
             .arg(self.peer.bin_dir.join("kubelet"))
             .arg(format!("--config={}", config.display()))
             .arg(format!("--root-dir={}", d.join("root").display()))
@@ -512,9 +452,9 @@ fn get(addr: &str, path: &str) -> Option<String> {
 
 /// The host's values of kubelet's sysctls and whether its paths exist.
 fn host_state() -> Vec<(String, Option<String>)> {
-    SYSCTLS
+    sysctls()
         .iter()
-        .map(|(p, _)| format!("/proc/sys/{p}"))
+        .map(|p| format!("/proc/sys/{p}"))
         .chain(HOST_LEFTOVERS.iter().map(|p| p.to_string()))
         .map(|p| {
             let v = fs::read_to_string(&p).ok().or_else(|| {

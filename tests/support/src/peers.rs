@@ -17,7 +17,10 @@ use tempfile::TempDir;
 use crate::ctr::snapshotter;
 use crate::daemon::{Daemon, NotReady};
 use crate::flavor::{fetched, flavor};
-use crate::util::{output_with_timeout, poll, tempdir, unique_name, POD_TIMEOUT, TOOL_TIMEOUT};
+use crate::repo::script;
+use crate::util::{
+    output_with_timeout, poll, run_ok, tempdir, unique_name, POD_TIMEOUT, TOOL_TIMEOUT,
+};
 
 /// One built peer.
 #[derive(Clone, Debug)]
@@ -273,31 +276,18 @@ impl Buildkitd {
         let dir = tempdir("buildkitd-");
         let d = dir.path();
         let addr = format!("unix://{}", d.join("buildkitd.sock").display());
-        let mut cfg = format!(
-            r#"root = "{root}"
-[grpc]
-  address = ["{addr}"]
-[worker.oci]
-  enabled = false
-[worker.containerd]
-  enabled = true
-  address = "{containerd}"
-  namespace = "{namespace}"
-  snapshotter = "{snap}"
-  gc = false
-[otel]
-  socketPath = "{otel}"
-"#,
-            root = d.join("root").display(),
-            otel = d.join("otel-grpc.sock").display(),
-            containerd = containerd.display(),
-            snap = snapshotter(),
-        );
+        // scripts/lib/buildkitd-config.sh: the one generator (the dev-loop
+        // bench uses it too).
+        let mut gen = Command::new(script("lib/buildkitd-config.sh"));
+        gen.arg("--dir")
+            .arg(d)
+            .arg("--containerd")
+            .arg(containerd)
+            .args(["--namespace", namespace, "--snapshotter", snapshotter()]);
         if let Some(r) = registry {
-            cfg.push_str(&format!(
-                "[registry.\"{r}\"]\n  http = true\n  insecure = true\n"
-            ));
+            gen.args(["--registry", r]);
         }
+        let cfg = run_ok(gen).stdout;
         fs::write(d.join("buildkitd.toml"), cfg).unwrap();
         let mut cmd = peer.command("buildkitd");
         cmd.arg("--config").arg(d.join("buildkitd.toml"));
