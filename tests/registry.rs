@@ -909,10 +909,12 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 /// once they expire their ingests are aborted and their leases released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_upload_sessions_are_bounded_and_expire() {
-    const MAX: usize = 1000;
-    // The expiry outlasts opening them all (a few seconds quiet, 47 s on a
-    // machine at load 8) so none expires before the limit is checked.
-    const EXPIRY: Duration = Duration::from_secs(60);
+    // Thousands, as a client that never finishes its uploads would leave.
+    const MAX: usize = 2000;
+    // The expiry outlasts opening them all (1000 took a few seconds quiet,
+    // 47 s on a machine at load 8) so none expires before the limit is
+    // checked.
+    const EXPIRY: Duration = Duration::from_secs(90);
     let s = start(&format!(
         "max_uploads = {MAX}\nupload_expiry = \"{}s\"",
         EXPIRY.as_secs()
