@@ -4,10 +4,10 @@
 # module per peer, see tests/peers/README.md), each set in its own bin dir,
 # cached outside the repo and reused across runs.
 #
-#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras helm)
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras helm ko)
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl,
-#       spegel, kubelet, crane, conformance, oras, or helm.
+#       spegel, kubelet, crane, conformance, oras, helm, or ko.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -26,7 +26,7 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 peers_cache="$cache_root/peers"
-all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras helm)
+all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras helm ko)
 
 log() { echo "peers: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -34,8 +34,9 @@ die() { log "ERROR: $*"; exit 1; }
 # shellcheck source=scripts/lib/gobuild.sh
 . "$repo_root/scripts/lib/gobuild.sh"
 # gobuild.sh lists the peers it knew of when written; spegel, kubelet, crane,
-# conformance, oras and helm are more (so `versions` prints their pins too).
-for _p in spegel kubelet crane conformance oras helm; do
+# conformance, oras, helm and ko are more (so `versions` prints their pins
+# too).
+for _p in spegel kubelet crane conformance oras helm ko; do
     [[ " ${gobuild_peer_names[*]} " == *" $_p "* ]] || gobuild_peer_names+=("$_p")
 done
 
@@ -77,6 +78,11 @@ done
 #             "-w -X internal/version.BuildMetadata=" (GitCommit stays unset:
 #             the module proxy carries no commit id); `oras version` prints
 #             the version.
+#   ko        .goreleaser.yml (builds id binary, main ./main.go, the module
+#             root): CGO_ENABLED=0, -trimpath, ldflags "-s -w -X
+#             pkg/commands.Version={{.Version}}", and goreleaser's .Version is
+#             the tag without its "v": `ko version` prints 0.19.1 for v0.19.1,
+#             as the released binaries do.
 # Revision stays unset: the module proxy carries no commit id (buildkit
 # prints an empty revision, nerdctl "<unknown>").
 peer_spec() { # name version
@@ -115,6 +121,11 @@ peer_spec() { # name version
             module=github.com/google/go-containerregistry
             binaries=(crane)
             units=("0||-s -w -X $module/cmd/crane/cmd.Version=$ver|-trimpath|$module/cmd/crane")
+            ;;
+        ko)
+            module=github.com/google/ko
+            binaries=(ko)
+            units=("0||-s -w -X $module/pkg/commands.Version=${ver#v}|-trimpath|$module")
             ;;
         oras)
             module=oras.land/oras
@@ -170,6 +181,11 @@ check_peer() { # bindir; uses $name $ver $binaries $module
         if [[ "$name" == crane ]]; then
             out="$("$1/$b" version 2>&1)" || die "peer $name: $1/$b version failed: $out"
             [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
+            continue
+        fi
+        if [[ "$name" == ko ]]; then # the tag without its "v", as released
+            out="$("$1/$b" version 2>&1)" || die "peer $name: $1/$b version failed: $out"
+            [[ "$out" == "${ver#v}" ]] || die "peer $name: $1/$b version prints '$out', expected ${ver#v}"
             continue
         fi
         out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"

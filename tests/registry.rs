@@ -1,8 +1,8 @@
 //! The node-local registry endpoint (`[registry]`, docs/registry.md)
 //! against a real containerd with CRI: the OCI conformance suite, real
-//! clients (skopeo, crane, buildctl) each followed at once by a pod that
-//! runs what was pushed (no retry: a push returns once CRI resolves the
-//! image), and hostile input.
+//! clients (skopeo, crane, ko, buildctl) each followed at once by a pod
+//! that runs what was pushed (no retry: a push returns once CRI resolves
+//! the image), and hostile input.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use imgbridge_test_support::cri::{cri_image_client, run_hello_pod};
 use imgbridge_test_support::grpc::content_info;
-use imgbridge_test_support::peers::{peer, Buildkitd};
+use imgbridge_test_support::images::host_arch;
+use imgbridge_test_support::peers::{go_command, peer, Buildkitd};
 use imgbridge_test_support::prelude::*;
 use imgbridge_test_support::util::{http_status, output_with_timeout, READY_TIMEOUT, TOOL_TIMEOUT};
 
@@ -504,6 +505,99 @@ async fn crane_push_and_copy_run_at_once() {
         );
         run_hello_pod(s.c.socket(), &copied, &name_tag).await;
     }
+}
+
+/// `ko build` of a Go main package into the endpoint, its base image pushed
+/// there first so ko reaches no other registry: the moment ko returns, CRI
+/// resolves the tag ko pushed, at the manifest ko reports (asked once, no
+/// retry: the read-your-writes claim), and a pod runs it with no pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ko_build_runs_at_once() {
+    let Some(_) = peer("ko") else { return };
+    let Some(go) = go_command() else { return };
+    let s = start("");
+    let base = TestImage::build("ko-base:1", 0, &[], 0).push(&s.addr);
+
+    // A main package with no dependencies whose output names this run.
+    let work = tempdir("ko-");
+    let app = work.path().join("app");
+    std::fs::create_dir(&app).unwrap();
+    let line = unique_name("built-by-ko");
+    std::fs::write(
+        app.join("go.mod"),
+        "module imgbridge.test/koapp\n\ngo 1.21\n",
+    )
+    .unwrap();
+    std::fs::write(
+        app.join("main.go"),
+        format!(
+            "package main\n\nimport (\n\t\"fmt\"\n\t\"time\"\n)\n\nfunc main() {{\n\tfmt.Println({line:?})\n\ttime.Sleep(time.Hour)\n}}\n"
+        ),
+    )
+    .unwrap();
+
+    // The caller's Go build cache (a cold one would rebuild the standard
+    // library), everything else private: HOME (no docker credentials nor
+    // go env file of the machine's), GOPATH, GOFLAGS (none of the caller's;
+    // -mod=mod: the package has no go.sum and needs none), and no module
+    // proxy nor toolchain download, so nothing leaves the machine.
+    let mut env = Command::new(&go);
+    env.args(["env", "GOCACHE"]);
+    let gocache = run(env, "go env GOCACHE").trim().to_string();
+    let mut path = go.parent().unwrap().as_os_str().to_owned();
+    path.push(":");
+    path.push(flavor().path_env());
+    let tag = unique_name("t");
+    let mut ko = peer_bin("ko", "ko").unwrap();
+    ko.current_dir(&app)
+        .args(["build", "--bare", "-t", &tag, "--sbom=none"])
+        .arg(format!("--platform=linux/{}", host_arch()))
+        .arg(".")
+        .env("PATH", path)
+        .env("HOME", work.path().join("home"))
+        .env("GOPATH", work.path().join("gopath"))
+        .env("GOCACHE", gocache)
+        .env("GOFLAGS", "-mod=mod")
+        .env("GOPROXY", "off")
+        .env("GOTOOLCHAIN", "local")
+        .env("GOWORK", "off")
+        .env("KO_DOCKER_REPO", format!("{}/koapp", s.addr))
+        .env("KO_DEFAULTBASEIMAGE", &base)
+        .env_remove("DOCKER_CONFIG")
+        .env_remove("KOCACHE")
+        .stdin(std::process::Stdio::null());
+    let out = output_with_timeout(ko, TOOL_TIMEOUT);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ko build failed ({}):\n{stderr}",
+        out.status
+    );
+    // ko prints what it published, by digest: <repo>[:<tag>]@<digest>.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let digest = stdout
+        .lines()
+        .last()
+        .and_then(|l| l.trim().split_once('@'))
+        .map(|(_, d)| d.to_string())
+        .unwrap_or_else(|| panic!("ko printed no digest: {stdout:?}\n{stderr}"));
+
+    // No retry: ko has returned, so CRI resolves the tag now.
+    let name = format!("{}/koapp:{tag}", s.addr);
+    assert!(
+        cri_image_status(s.c.socket(), &name).await.is_some(),
+        "CRI does not resolve {name} when ko build returns:\n{stderr}\n{}",
+        s.p.log_tail()
+    );
+    assert_eq!(
+        image_target(s.c.socket(), K8S, &name).await.digest,
+        digest,
+        "the replica in {K8S} is not the manifest ko pushed"
+    );
+    run_pod(s.c.socket(), &name, &[], &line)
+        .await
+        .cleanup()
+        .await;
 }
 
 /// A delete through the endpoint applies `delete_policy` to the replicas

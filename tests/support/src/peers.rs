@@ -63,8 +63,8 @@ fn peers() -> &'static Option<HashMap<String, Peer>> {
     })
 }
 
-/// The peer `name` (`buildkit`, `nerdctl`, `crictl`, `spegel`), or `None` when peers
-/// are skipped.
+/// The peer `name` (`buildkit`, `nerdctl`, `crictl`, `spegel`, `crane`, `ko`,
+/// …: `scripts/peers.sh`'s default list), or `None` when peers are skipped.
 pub fn peer(name: &str) -> Option<&'static Peer> {
     match peers() {
         None => {
@@ -76,6 +76,30 @@ pub fn peer(name: &str) -> Option<&'static Peer> {
                 .unwrap_or_else(|| panic!("scripts/peers.sh gave no {name}")),
         ),
     }
+}
+
+/// The `go` command, found as `scripts/lib/gobuild.sh`'s `gobuild_find_go`
+/// finds the one the peers are built with (PATH, then `/usr/local/go/bin`):
+/// ko runs it to build what it packs, so a ko test needs it at run time too.
+/// `None` (and says so) when there is none.
+pub fn go_command() -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |g: &Path| {
+        fs::metadata(g).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|d| d.join("go"))
+            .find(|g| runnable(g))
+    });
+    let go = on_path.or_else(|| {
+        let g = PathBuf::from("/usr/local/go/bin/go");
+        runnable(&g).then_some(g)
+    });
+    if go.is_none() {
+        eprintln!("skipped: needs go (not on PATH nor in /usr/local/go/bin)");
+    }
+    go
 }
 
 fn ok(what: &str, out: Output) -> String {
