@@ -19,12 +19,12 @@ if [[ "$(id -u)" -ne 0 ]]; then
 fi
 
 # Disk: a run writes about 5 GiB (target/, then a few hundred MiB of
-# images under TMPDIR at a time); a fresh machine adds about 8 GiB of Go
+# images under TMPDIR at a time); a fresh machine adds about 9 GiB of Go
 # module and build caches for the peers (docs/testing.md, "Disk"). Checked
 # first, so a full disk is one clear line rather than thirty failing tests
 # half an hour in.
 cache="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
-if compgen -G "$cache/peers/kubelet-*" >/dev/null; then need_gib=6; else need_gib=15; fi
+if compgen -G "$cache/peers/kubelet-*" >/dev/null; then need_gib=6; else need_gib=16; fi
 need_gib="${IMGBRIDGE_NEED_DISK_GIB:-$need_gib}"
 for dir in "$repo_root" "${TMPDIR:-/tmp}"; do
     free_gib=$(( $(df -Pk "$dir" | awk 'NR == 2 {print $4}') / 1048576 ))
