@@ -38,7 +38,7 @@
 #                  compare imgbridge's overhead over the floor with a run
 #                  without it)
 # Quick run: BENCH_SIZE_MB=64 BENCH_CALLS=500 BENCH_ROUNDS=1 scripts/bench.sh
-# Everything (proxy, replication/reconcile, import): BENCH_ALL=1 scripts/bench.sh
+# Everything (proxy, replication/reconcile, import, pull-list parse): BENCH_ALL=1 scripts/bench.sh
 set -euo pipefail
 
 SIZE_MB=${BENCH_SIZE_MB:-1024}
@@ -310,9 +310,11 @@ if [[ -n ${BENCH_RAW:-} ]]; then
     cat "$res"
 fi
 
-# The replication/reconcile and import benchmarks live in their own scripts
-# (they need CRI and large archives); BENCH_ALL=1 runs them after this one.
+# The replication/reconcile, import and pull-list benchmarks live in their
+# own scripts (they need CRI and large archives); BENCH_ALL=1 runs them
+# after this one.
 if [[ -n ${BENCH_ALL:-} ]]; then
     scripts/bench-replication.sh
     scripts/bench-import.sh
+    scripts/bench-pull-list.sh
 fi

@@ -98,9 +98,30 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
+/// `Version` calls through imgbridge, each on a new connection as `ctr
+/// version` makes them (a connection is accepted on the main runtime, the
+/// one the importer runs on), 10 ms apart until `stop`: the slowest and
+/// how many.
+async fn probe_versions(sock: PathBuf, stop: Arc<AtomicBool>) -> (Duration, u32) {
+    let (mut worst, mut calls) = (Duration::ZERO, 0u32);
+    while !stop.load(Ordering::Relaxed) {
+        let t = Instant::now();
+        let mut v = api::version_client::VersionClient::new(containerd_channel(&sock).await);
+        v.version(()).await.expect("Version through imgbridge");
+        worst = worst.max(t.elapsed());
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await; // the probe's pace
+    }
+    (worst, calls)
+}
+
 /// Issue 17.1: a 1 MiB / 145k-reference list used to be deduplicated in
-/// quadratic time on the async runtime (`ctr version` hung 95 s). Every
-/// reference names a denied host, so the list costs parsing and nothing else.
+/// quadratic time on the async runtime (`ctr version` hung 95 s). Calls
+/// through the proxy keep their latency while the list is handled: the
+/// slowest during it is compared with the slowest of a baseline the same
+/// probe took just before, so a loaded machine moves both. Every reference
+/// names a denied host, so the list costs parsing and nothing else. How
+/// long the parse takes is `scripts/bench-pull-list.sh`'s to measure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn big_pull_list_does_not_stall_the_proxy() {
     let _serial = SERIAL.lock().await;
@@ -112,52 +133,52 @@ async fn big_pull_list_does_not_stall_the_proxy() {
         n += 1;
     }
     assert!(n > 140_000, "{n} references");
+    let sock = s.p.socket().to_path_buf();
+    let probe = |stop: &Arc<AtomicBool>| tokio::spawn(probe_versions(sock.clone(), stop.clone()));
 
     let stop = Arc::new(AtomicBool::new(false));
-    let sock = s.p.socket().to_path_buf();
-    let flag = stop.clone();
-    let probe = tokio::spawn(async move {
-        let mut v = api::version_client::VersionClient::new(containerd_channel(&sock).await);
-        let (mut worst, mut calls) = (Duration::ZERO, 0u32);
-        while !flag.load(Ordering::Relaxed) {
-            let t = Instant::now();
-            v.version(()).await.expect("Version through imgbridge");
-            worst = worst.max(t.elapsed());
-            calls += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (worst, calls)
-    });
-    let dropped = Instant::now();
+    let baseline = probe(&stop);
+    tokio::time::sleep(Duration::from_secs(2)).await; // the baseline's window
+    stop.store(true, Ordering::Relaxed);
+    let (base, base_calls) = baseline.await.unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = probe(&stop);
     drop_in(&s.images, "big.txt", list.as_bytes());
     let p = &s.p;
-    let line = tokio::task::block_in_place(|| {
-        wait_line(p, &["pull list parsed", "big.txt"], Duration::from_secs(10))
+    // Deadlines for events, not bounds on the work: the list is read and
+    // parsed, then its references are refused and the list is recorded.
+    let (parsed, handled) = tokio::task::block_in_place(|| {
+        let parsed = wait_line(p, &["pull list parsed", "big.txt"], Duration::from_secs(60));
+        let handled = wait_line(
+            p,
+            &["processing pull list", "big.txt"],
+            Duration::from_secs(60),
+        );
+        (parsed, handled)
     });
-    let took = dropped.elapsed();
-    // Keep probing while the importer handles the parsed list.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Keep probing a while after: whatever the list left behind.
+    tokio::time::sleep(Duration::from_secs(1)).await; // the probe's window
     stop.store(true, Ordering::Relaxed);
-    let (worst, calls) = probe.await.unwrap();
-    let ms: u64 = line
-        .split("ms=")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no ms= in {line:?}"));
-    assert!(line.contains(&format!("references={n}")), "{line}");
-    // Under a second as built for use; an unoptimised build on this
-    // shared 2-core machine measured 0.3–1.1 s (the quadratic parse: >95 s).
-    let bound = if cfg!(debug_assertions) { 5000 } else { 1000 };
-    assert!(ms < bound, "parsing took {ms} ms: {line}");
+    let (worst, calls) = during.await.unwrap();
+    assert!(parsed.contains(&format!("references={n}")), "{parsed}");
+    assert!(handled.contains("references=0"), "{handled}");
     assert!(
-        took < Duration::from_millis(200 + bound) + Duration::from_secs(2),
-        "list seen as parsed {took:?} after it was dropped"
+        base_calls > 10 && calls > 10,
+        "{base_calls} and {calls} calls"
     );
-    assert!(calls > 10, "only {calls} Version calls");
+    // What it guards: a runtime stalled for seconds (95 s when it was
+    // found). 4x the baseline's slowest call or 500 ms over it, whichever
+    // is more: a stall of a second fails, while the worst of a window on
+    // this busy machine moved by up to 90 ms between the two (load 7,
+    // baseline 6-10 ms).
+    let bound = (base * 4).max(base + Duration::from_millis(500));
+    eprintln!(
+        "slowest Version call: {worst:?} of {calls} while the list was handled, {base:?} of {base_calls} before; {parsed}"
+    );
     assert!(
-        worst < Duration::from_millis(100),
-        "slowest of {calls} Version calls through imgbridge: {worst:?}"
+        worst <= bound,
+        "slowest of {calls} Version calls through imgbridge while the list was handled: {worst:?}, over {bound:?} (slowest of {base_calls} before it: {base:?})"
     );
 }
 
