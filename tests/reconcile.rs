@@ -127,14 +127,23 @@ async fn start_pass_repairs_and_second_pass_writes_nothing() {
     );
 }
 
+/// The start pass replicates what was there; a write on containerd's own
+/// socket is then replicated by the events subscription, with no pass in
+/// between, before and after a containerd restart (which renews the
+/// subscription and passes again).
 #[tokio::test]
-async fn serve_start_pass_and_events_backstop_within_a_second() {
+async fn serve_start_pass_and_events_backstop_catch_bypass_writes() {
     let (mut c, _img, t) = seeded("early:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     all_replicated(c.socket(), Duration::from_secs(10))
         .await
         .expect("start pass");
-    bypass_write_replicated_within_a_second(&c, "bypass:1", &t).await;
+    poll_async(Duration::from_secs(10), || async {
+        (passes(&p) >= 1).then_some(())
+    })
+    .await
+    .expect("the start pass logged");
+    bypass_write_replicated_by_events(&c, &p, "bypass:1", &t).await;
     // After a containerd restart the subscription is renewed.
     c.kill9();
     c.restart();
@@ -144,47 +153,47 @@ async fn serve_start_pass_and_events_backstop_within_a_second() {
         "the subscription did not see containerd go",
     );
     poll_async(Duration::from_secs(10), || async {
-        (p.log().matches("reconcile pass done").count() >= 2).then_some(())
+        (passes(&p) >= 2).then_some(())
     })
     .await
     .expect("second pass after reconnect");
-    bypass_write_replicated_within_a_second(&c, "after-restart:1", &t).await;
+    bypass_write_replicated_by_events(&c, &p, "after-restart:1", &t).await;
 }
 
-/// Every `buildkit` image is replicated within `bound` from now (waiting
-/// up to `give_up` to say what is missing); `what` names the failure.
-async fn converges_within(
-    sock: &Path,
-    bound: Duration,
-    give_up: Duration,
-    what: impl FnOnce() -> String,
-) {
-    let t0 = Instant::now();
-    if let Err(missing) = all_replicated(sock, give_up).await {
-        panic!("{}: {missing:?}", what());
-    }
-    assert!(
-        t0.elapsed() < bound,
-        "converged after {:?}, over {bound:?}",
-        t0.elapsed()
-    );
+/// How many catch-up passes `p` has finished.
+fn passes(p: &Imgbridge) -> usize {
+    p.log().matches("reconcile pass done").count()
 }
 
 /// Writes image `name` on containerd's own socket, bypassing imgbridge: the
-/// events backstop must replicate it within a second.
-async fn bypass_write_replicated_within_a_second(c: &Containerd, name: &str, t: &Descriptor) {
+/// events backstop replicates it, not a pass. The deadline is for that
+/// event; how fast it comes is the work of a replication on a shared
+/// machine, printed, not asserted.
+async fn bypass_write_replicated_by_events(
+    c: &Containerd,
+    p: &Imgbridge,
+    name: &str,
+    t: &Descriptor,
+) {
+    let before = passes(p);
+    let written = Instant::now();
     create_image(c.socket(), SRC, name, t).await;
-    converges_within(
-        c.socket(),
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-        || format!("{name}: not replicated by the events backstop"),
-    )
-    .await;
+    if let Err(missing) = all_replicated(c.socket(), Duration::from_secs(30)).await {
+        panic!("{name}: not replicated by the events backstop: {missing:?}");
+    }
+    eprintln!("{name}: replicated {:?} after the write", written.elapsed());
+    assert_eq!(
+        passes(p),
+        before,
+        "{name}: a pass, not the events, replicated it"
+    );
 }
 
+/// containerd killed in the middle of Creates, half through imgbridge and
+/// half straight on its socket: once it is back, the catch-up pass after
+/// the reconnect replicates every image the Creates left.
 #[tokio::test]
-async fn containerd_killed_during_creates_converges_within_two_seconds() {
+async fn containerd_killed_during_creates_converges() {
     let (mut c, _img, t) = seeded("fault:1").await;
     let p = Imgbridge::start(c.socket(), &[]);
     let mut created = 0;
@@ -206,13 +215,11 @@ async fn containerd_killed_during_creates_converges_within_two_seconds() {
             c.restart();
         }
     }
-    converges_within(
-        c.socket(),
-        Duration::from_secs(2),
-        Duration::from_secs(10),
-        || format!("not converged\n{}", p.log_tail()),
-    )
-    .await;
+    let back = Instant::now();
+    if let Err(missing) = all_replicated(c.socket(), Duration::from_secs(30)).await {
+        panic!("not converged: {missing:?}\n{}", p.log_tail());
+    }
+    eprintln!("converged {:?} after the last Create", back.elapsed());
 }
 
 #[tokio::test]

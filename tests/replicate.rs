@@ -263,17 +263,19 @@ async fn isolated_content_sharing_copies_bytes() {
 
 /// Several large blobs copied at once (isolated content): the copies must
 /// not starve each other's WRITE acknowledgements (they used to deadlock on
-/// one shared HTTP/2 connection until the replication timed out).
+/// one shared HTTP/2 connection until the replication timed out). So the
+/// replication completes rather than times out; how fast the copy runs is
+/// `scripts/bench-replication.sh`'s (A3).
 #[tokio::test]
 async fn isolated_concurrent_large_copies_complete() {
     let (c, p) = Scenario::cri().isolated().start();
     let img = TestImage::build("isobig:1", 4, &[], 12 << 20);
-    let started = Instant::now();
     ctr_import(p.socket(), SRC, &img.docker_archive());
+    let log = p.log();
     assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "import through the proxy took {:?}",
-        started.elapsed()
+        !log.contains("replication timed out") && !log.contains("replication failed"),
+        "the copies did not complete:\n{}",
+        p.log_tail()
     );
     assert!(cri_image_status(c.socket(), &img.normalized())
         .await
@@ -287,6 +289,10 @@ async fn isolated_concurrent_large_copies_complete() {
     }
 }
 
+/// An image created before its layers are in the source: the reply does
+/// not wait for them, and layers written later behind imgbridge's back are
+/// linked by the backstop, which checks a missing blob at least once a
+/// second (docs/design.md, "Pending blobs").
 #[tokio::test]
 async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     let (c, p) = Scenario::cri().start();
@@ -308,12 +314,15 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     );
     let refs: Vec<(&str, &str)> = refs.iter().map(|(k, d)| (k.as_str(), d.as_str())).collect();
     gc_label(c.socket(), SRC, &b.manifest.digest, &refs);
-    let t = Instant::now();
-    create_image(p.socket(), SRC, "lazy:1", &b.manifest).await;
-    assert!(
-        t.elapsed() < Duration::from_secs(3),
-        "missing layers must not block the reply"
-    );
+    // The layers come only after the reply, so any reply shows it did not
+    // wait for them; the deadline (half of `replication.timeout`, which a
+    // reply held for them would wait out) keeps a hold from hanging the test.
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        create_image(p.socket(), SRC, "lazy:1", &b.manifest),
+    )
+    .await
+    .expect("missing layers must not block the reply");
     // ImageStatus needs only the config: resolvable already.
     assert!(cri_image_status(c.socket(), "docker.io/library/lazy:1")
         .await
@@ -321,27 +330,32 @@ async fn lazy_layer_written_after_create_is_linked_within_a_second() {
     for l in &b.layers {
         assert!(content_info(c.socket(), K8S, &l.digest).await.is_none());
     }
+    let ingest = Instant::now();
     for l in &b.layers {
         ctr_ingest(c.socket(), SRC, &l.digest, &blob_path(&b.layout, &l.digest));
     }
     let appeared = Instant::now();
-    let linked = poll_async(Duration::from_secs(5), || async {
+    let linked = poll_async(Duration::from_secs(30), || async {
         let mut all = true;
         for l in &b.layers {
             all &= content_info(c.socket(), K8S, &l.digest).await.is_some();
         }
-        all.then_some(())
+        all.then(|| appeared.elapsed())
     })
     .await;
+    let Some(linked) = linked else {
+        panic!("late layers never linked:\n{}", p.log_tail());
+    };
+    // The backstop's second, then the link: less work than the `ctr`
+    // ingest of the same layers just now, so that ingest's time (at least
+    // 500 ms) is the allowance for it on a loaded machine. A backstop
+    // checking every few seconds fails.
+    let ingest = appeared - ingest;
+    let bound = Duration::from_secs(1) + ingest.max(Duration::from_millis(500));
+    eprintln!("late layers linked {linked:?} after their ingest, which took {ingest:?}");
     assert!(
-        linked.is_some(),
-        "late layers never linked:\n{}",
-        p.log_tail()
-    );
-    assert!(
-        appeared.elapsed() < Duration::from_millis(1500),
-        "linked after {:?}",
-        appeared.elapsed()
+        linked <= bound,
+        "linked {linked:?} after the layers were written, over {bound:?} (their ingest took {ingest:?})"
     );
     run_hello_pod(c.socket(), "docker.io/library/lazy:1", "lazy:1").await;
 }
@@ -788,8 +802,14 @@ where
 /// its write returns. Nothing is replicated and no source image appears.
 #[tokio::test]
 async fn direct_writes_into_k8s_io_resolve_in_cri_when_confirmed() {
+    // Long, so that a write held for CRI is told from a slow one on a
+    // loaded machine: a hold lasts all of it.
+    const CRI_WAIT: Duration = Duration::from_secs(60);
     let (c, p) = Scenario::cri()
-        .config("[replication]\nconfirm_direct_writes = true\n")
+        .config(&format!(
+            "[replication]\nconfirm_direct_writes = true\ncri_wait = \"{}s\"\n",
+            CRI_WAIT.as_secs()
+        ))
         .start();
     let img = TestImage::hello("direct:1");
     ctr_import(c.socket(), K8S, &img.docker_archive());
@@ -813,14 +833,14 @@ async fn direct_writes_into_k8s_io_resolve_in_cri_when_confirmed() {
     );
     // A record CRI never resolves under its name (kubelet would ask for
     // `docker.io/library/direct-short:1`) is not waited for: waiting would
-    // hold the write for all of `cri_wait` (5 s).
+    // hold the write for all of `cri_wait`, half of which is the deadline.
     let t = Instant::now();
-    create_image(p.socket(), K8S, "direct-short:1", &target).await;
-    assert!(
-        t.elapsed() < Duration::from_secs(2),
-        "a write of a short name was held {:?}",
-        t.elapsed()
-    );
+    tokio::time::timeout(
+        CRI_WAIT / 2,
+        create_image(p.socket(), K8S, "direct-short:1", &target),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("a write of a short name was held {:?}", t.elapsed()));
 }
 
 #[tokio::test]

@@ -29,8 +29,12 @@ use nix::unistd::Pid;
 use prost::Message;
 
 const NS: &str = "dev";
-/// SIGTERM to exit, with subscribers attached: the goal for a restart.
-const FAST: Duration = Duration::from_secs(1);
+/// The deadline for what a shutdown does without waiting for the drain
+/// (sockets freed, subscriptions ended, exit): half of `drain_timeout`
+/// (10 s), all of which a shutdown held by the drain waits out (before the
+/// fix exit took 10.0 s). A loaded machine passes; how fast a restart is,
+/// the tests print.
+const AT_ONCE: Duration = Duration::from_secs(5);
 /// Subscriptions that see the images the tests create.
 const IMAGES: &str = "namespace==dev,topic~=\"^/images/\"";
 /// Matches nothing: the subscription never gets an event, so containerd
@@ -64,6 +68,15 @@ async fn exit_of(p: &mut Imgbridge, sent: Instant) -> (ExitStatus, Duration) {
     let took = sent.elapsed();
     let st = st.unwrap_or_else(|| panic!("no exit {took:?} after SIGTERM:\n{}", p.log_tail()));
     (st, took)
+}
+
+/// That the drain of the log's imgbridge ended because its calls did, not
+/// at `drain_timeout`.
+fn assert_drained(log: &str) {
+    assert!(
+        log.contains("drained") && !log.contains("still running at drain timeout"),
+        "the drain did not end on its own:\n{log}"
+    );
 }
 
 /// Starts another imgbridge on `sock` (and `<sock>.ttrpc`) and waits until
@@ -312,14 +325,14 @@ async fn events_until(containerd: &Path, what: &str, mut seen: impl FnMut() -> b
 /// With `ctr events`, a tonic subscriber and two bare HTTP/2 subscribers
 /// (one that has had a reply, one still waiting for its first) attached,
 /// and a shim's connection on the ttrpc socket: SIGTERM frees both socket
-/// paths at once, a second imgbridge binds them, the old one exits within
-/// a second, and every subscriber's stream ends with UNAVAILABLE (the
-/// clients reconnect, through the new instance).
+/// paths at once, a second imgbridge binds them, the old one exits without
+/// waiting out the drain, and every subscriber's stream ends with
+/// UNAVAILABLE (the clients reconnect, through the new instance).
 ///
 /// Before the fix: exit took 10.0 s (drain timeout), and the second start
 /// failed with "…/imgbridge.sock.ttrpc is in use".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets() {
+async fn sigterm_with_subscribers_exits_at_once_and_frees_both_sockets() {
     let (c, mut p) = Scenario::plain().start();
     let sock = p.socket().to_path_buf();
     let ttrpc = imgbridge::app::ttrpc_path(&sock);
@@ -340,7 +353,7 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
     assert_eq!(waiting.ended(), None);
 
     let sent = sigterm(p.pid());
-    let freed = until(FAST, || {
+    let freed = until(AT_ONCE, || {
         (!sock.exists() && !ttrpc.exists()).then(|| sent.elapsed())
     })
     .await;
@@ -353,14 +366,15 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
     eprintln!("SIGTERM -> sockets freed {freed:?}, exit {took:?}");
     assert!(
         freed.is_some(),
-        "socket files still there {FAST:?} after SIGTERM"
+        "socket files still there {AT_ONCE:?} after SIGTERM"
     );
     assert!(
-        took < FAST,
+        took < AT_ONCE,
         "exit took {took:?} with subscribers attached:\n{}",
         p.log_tail()
     );
     assert!(status.success(), "{status:?}\n{}", p.log_tail());
+    assert_drained(&p.log());
 
     // Every subscription ended with a status, none hangs.
     let all = [
@@ -368,7 +382,7 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
         ("h2 after a reply", &replied),
         ("h2 before any reply", &waiting),
     ];
-    let done = until(FAST, || {
+    let done = until(AT_ONCE, || {
         all.iter().all(|(_, s)| s.ended().is_some()).then_some(())
     })
     .await;
@@ -377,7 +391,7 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
         s.assert_restarting(who);
     }
     let mut ctr_events = ctr_events;
-    let ctr_exit = until(FAST, || ctr_events.child.try_wait().unwrap()).await;
+    let ctr_exit = until(AT_ONCE, || ctr_events.child.try_wait().unwrap()).await;
     assert!(ctr_exit.is_some(), "ctr events still running");
     let err = ctr_events.stderr();
     eprintln!("ctr events ended: {}", err.trim());
@@ -387,7 +401,8 @@ async fn sigterm_with_subscribers_exits_within_a_second_and_frees_both_sockets()
     );
     // The shim's ttrpc connection was closed (shims reconnect).
     let mut buf = [0u8; 16];
-    let eof = tokio::time::timeout(FAST, tokio::io::AsyncReadExt::read(&mut shim, &mut buf)).await;
+    let eof =
+        tokio::time::timeout(AT_ONCE, tokio::io::AsyncReadExt::read(&mut shim, &mut buf)).await;
     assert!(
         matches!(eof, Ok(Ok(0)) | Ok(Err(_))),
         "ttrpc connection still open: {eof:?}"
@@ -434,12 +449,12 @@ async fn write_in_flight_at_sigterm_completes_while_a_new_instance_serves() {
     assert_eq!(ack.offset, first.len() as i64);
 
     let sent = sigterm(p.pid());
-    let freed = until(FAST, || {
+    let freed = until(AT_ONCE, || {
         (!sock.exists() && !ttrpc.exists()).then(|| sent.elapsed())
     })
     .await;
     assert!(freed.is_some(), "sockets not freed while a write is open");
-    let ended = until(FAST, || sub.ended().map(|_| sent.elapsed())).await;
+    let ended = until(AT_ONCE, || sub.ended().map(|_| sent.elapsed())).await;
     assert!(ended.is_some(), "the subscription waits for the write");
     sub.assert_restarting("tonic");
     let p2 = start_second(&sock, c.socket()).await;
@@ -486,7 +501,8 @@ async fn write_in_flight_at_sigterm_completes_while_a_new_instance_serves() {
         committed - sent
     );
     assert!(status.success(), "{status:?}\n{}", p.log_tail());
-    assert!(after < FAST, "exit {after:?} after the last call ended");
+    assert!(after < AT_ONCE, "exit {after:?} after the last call ended");
+    assert_drained(&p.log());
     assert!(content_info(c.socket(), NS, &digest).await.is_some());
 
     // The old one's exit removed nothing of the new one's.
@@ -557,7 +573,7 @@ async fn held_call_finishes_in_the_drain_while_the_subscription_ends_at_once() {
 
     let stopped = Instant::now();
     stop.cancel();
-    let ended = until(FAST, || sub.ended().map(|_| stopped.elapsed())).await;
+    let ended = until(AT_ONCE, || sub.ended().map(|_| stopped.elapsed())).await;
     assert!(ended.is_some(), "the subscription waits for the held call");
     sub.assert_restarting("tonic");
     assert!(!create.is_finished() && !server.is_finished());
@@ -583,11 +599,11 @@ async fn held_call_finishes_in_the_drain_while_the_subscription_ends_at_once() {
 }
 
 /// Under socket activation the sockets are systemd's: SIGTERM with a
-/// subscriber attached exits within a second and leaves both files (and
+/// subscriber attached exits at once and leaves both files (and
 /// listening sockets) in place; a connection made meanwhile is served by
 /// the next instance, started on the same sockets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn socket_activated_restart_keeps_the_sockets_and_exits_fast() {
+async fn socket_activated_restart_keeps_the_sockets_and_exits_at_once() {
     let c = Containerd::start(ContainerdOpts::default());
     let dir = tempdir("activated-");
     let sock = dir.path().join("activated.sock");
@@ -613,8 +629,9 @@ async fn socket_activated_restart_keeps_the_sockets_and_exits_fast() {
     let took = sent.elapsed();
     eprintln!("socket-activated: SIGTERM -> exit {took:?}");
     let status = exited.expect("first instance exits");
-    assert!(took < FAST, "exit took {took:?}");
+    assert!(took < AT_ONCE, "exit took {took:?}");
     assert!(status.success(), "{status:?}");
+    assert_drained(&std::fs::read_to_string(dir.path().join("first.log")).unwrap());
     sub.assert_restarting("tonic");
     assert!(
         sock.exists() && ttrpc.exists(),
