@@ -7,11 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 triple=x86_64-unknown-linux-musl
-cargo_deb_version=3.8.0
-if ! command -v cargo-deb >/dev/null || [[ "$(cargo-deb --version 2>/dev/null)" != *" $cargo_deb_version"* ]]; then
-    echo "== installing cargo-deb $cargo_deb_version"
-    cargo install cargo-deb --locked --version "$cargo_deb_version"
-fi
+# Pinned, installed once into the tools cache (scripts/lib/cargo-tools.sh).
+cargo_deb="$(scripts/lib/cargo-tools.sh path cargo-deb)"
 
 echo "== static release binary"
 bin="$(scripts/build-static.sh x86_64 | awk '$1 == "x86_64" { print $2 }')"
@@ -28,4 +25,4 @@ echo "== cargo deb --target $triple"
 # Asset paths target/release/... are read from target/$triple/release/.
 # Debug info (profile.release debug = 1) goes into a separate -dbgsym package.
 SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}" \
-    cargo deb --no-build --dbgsym --target "$triple"
+    PATH="$(dirname "$cargo_deb"):$PATH" cargo deb --no-build --dbgsym --target "$triple"

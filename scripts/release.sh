@@ -18,8 +18,8 @@
 # Environment:
 #   IMGBRIDGE_ARCHS   architectures (default "x86_64 aarch64"; see
 #                     scripts/build-static.sh for the toolchain of each)
-#   IMGBRIDGE_TOOLS   where missing cargo tools are installed
-#                     (default ${XDG_CACHE_HOME:-~/.cache}/imgbridge-tools)
+#   IMGBRIDGE_TOOLS   where the pinned cargo tools are installed
+#                     (scripts/lib/cargo-tools.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo_root="$PWD"
@@ -52,23 +52,11 @@ if ((${#need_pkgs[@]})); then
     apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >&2
 fi
-tools="${IMGBRIDGE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/imgbridge-tools}"
 dist="$repo_root/dist"
 stage="$repo_root/target/release-stage"
 rm -rf "$dist" "$stage"
 mkdir -p "$dist" "$stage"
 log "imgbridge $version ($commit), SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH, archs: ${archs[*]}"
-
-# A pinned cargo tool, installed into $tools on first use.
-cargo_tool() { # crate version binary → path
-    local dir="$tools/$1-$2"
-    if [[ ! -x "$dir/bin/$3" ]]; then
-        log "installing $1 $2 into $dir (first time: builds it, takes minutes)"
-        cargo install --locked --quiet --root "$dir" --version "$2" "$1" >&2 ||
-            die "cargo install $1 $2 failed"
-    fi
-    echo "$dir/bin/$3"
-}
 
 # Same bytes for the same inputs: sorted names, root-owned, fixed mtimes.
 det_tgz() { # out dir entry...
@@ -123,7 +111,7 @@ done
 
 # ---------------------------------------------------------------------- .deb
 scripts/build-deb.sh >&2
-deb="target/x86_64-unknown-linux-musl/debian/imgbridge_${version}-1_amd64.deb"
+deb="${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/debian/imgbridge_${version}-1_amd64.deb"
 [[ -f "$deb" ]] || die "build-deb.sh left no $deb"
 cp "$deb" "$dist/"
 
@@ -146,7 +134,7 @@ helm="$(scripts/peers.sh fetch helm | awk '{print $3}')/helm"
 
 # ---------------------------------------------------------------------- SBOM
 # cargo-cyclonedx: the CycloneDX project's own cargo plugin.
-cyclonedx="$(cargo_tool cargo-cyclonedx 0.5.9 cargo-cyclonedx)"
+cyclonedx="$(scripts/lib/cargo-tools.sh path cargo-cyclonedx)"
 "$cyclonedx" cyclonedx --format json --spec-version 1.5 --target x86_64-unknown-linux-musl \
     --no-build-deps --override-filename "imgbridge-$version.cdx" >&2
 # Its refs name this checkout's path (cargo's package id of imgbridge):

@@ -7,7 +7,26 @@
 # package started on /run/containerd/containerd.sock) is never used, stopped
 # or otherwise touched.
 #
-# IMGBRIDGE_SKIP_APT=1 skips apt when every needed tool is already present.
+# Two lanes run side by side, as they need different toolchains: the Go lane
+# (the containerds of the matrix, the Go peers, the pinned cargo tools of
+# the packaging test) in the background, the cargo lane (fmt, clippy, unit
+# tests, the test binaries, the one static release binary) in front. The
+# integration tests then run two test binaries at a time (docs/testing.md,
+# "CI time"). The run ends with a table of each stage's seconds and which
+# caches were cold.
+#
+# Environment:
+#   IMGBRIDGE_SKIP_APT=1      skip apt when every needed tool is present
+#   IMGBRIDGE_MATRIX="2.4"    containerd labels to test (default all four)
+#   IMGBRIDGE_JOBS=N          test binaries run at a time (default 2)
+#   IMGBRIDGE_TESTS="a b"     only these integration test binaries (a local loop)
+#   IMGBRIDGE_COLD=1          every cache outside the checkout empty: Go build
+#                             and module caches, peers, containerds, cargo
+#                             home, cargo tools, all in a fresh dir that is
+#                             removed at the end (IMGBRIDGE_COLD=DIR keeps
+#                             them in DIR). With a fresh clone (no target/)
+#                             this is a fresh machine's run.
+#   IMGBRIDGE_SKIP_PEERS=1, IMGBRIDGE_SKIP_PACKAGING=1  quick local loops only
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,12 +37,65 @@ if [[ "$(id -u)" -ne 0 ]]; then
     exit 1
 fi
 
+# ------------------------------------------------------------ stage timing
+run_start=$SECONDS
+stage_names=()
+stage_secs=()
+stage_done() { # name start
+    stage_names+=("$1")
+    stage_secs+=("$((SECONDS - $2))")
+    echo "    ($1: $((SECONDS - $2)) s)"
+}
+cache_notes=()
+timing_table() {
+    local i
+    echo "==> timing (seconds)"
+    for i in "${!stage_names[@]}"; do
+        printf '    %-44s %6s\n' "${stage_names[$i]}" "${stage_secs[$i]}"
+    done
+    printf '    %-44s %6s\n' "whole run" "$((SECONDS - run_start))"
+    echo "    caches at the start: ${cache_notes[*]}"
+}
+
+# --------------------------------------------------------------- the caches
+if [[ -n "${IMGBRIDGE_COLD:-}" ]]; then
+    if [[ "$IMGBRIDGE_COLD" == 1 ]]; then
+        cold_root="$(mktemp -d "${TMPDIR:-/var/tmp}/imgbridge-cold.XXXXXX")"
+        cold_keep=0
+    else
+        cold_root="$IMGBRIDGE_COLD"
+        mkdir -p "$cold_root"
+        cold_keep=1
+    fi
+    export GOCACHE="$cold_root/go-build" GOMODCACHE="$cold_root/go-mod" \
+        IMGBRIDGE_CACHE="$cold_root/cache" CARGO_HOME="$cold_root/cargo-home" \
+        IMGBRIDGE_TOOLS="$cold_root/tools"
+    mkdir -p "$CARGO_HOME"
+    # cargo itself (rustup's proxy) keeps coming from PATH.
+    echo "==> cold run: every cache under $cold_root"
+    [[ ! -d target ]] || echo "    (target/ exists: the cargo builds are not cold; use a fresh clone)"
+fi
+cache="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
+tools="${IMGBRIDGE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/imgbridge-tools}"
+go_env() { if command -v go >/dev/null 2>&1; then go env "$1"; fi; }
+warm_if() { # label test...
+    local label="$1"
+    shift
+    if "$@"; then cache_notes+=("$label warm"); else cache_notes+=("$label COLD"); fi
+}
+warm_if "go-build" test -e "$(go_env GOCACHE)/trim.txt"
+warm_if "go-modules" test -d "$(go_env GOMODCACHE)/cache/download"
+warm_if "peers" compgen -G "$cache/peers/kubelet-*/bin/kubelet"
+warm_if "containerds" compgen -G "$cache/containerd/2.4-*/bin/containerd"
+warm_if "cargo-registry" test -d "${CARGO_HOME:-$HOME/.cargo}/registry/cache"
+warm_if "cargo-target" test -d "${CARGO_TARGET_DIR:-target}/debug/deps"
+warm_if "cargo-tools" compgen -G "$tools/cargo-deb-*/bin/cargo-deb"
+
 # Disk: a run writes about 5 GiB (target/, then a few hundred MiB of
 # images under TMPDIR at a time); a fresh machine adds about 9 GiB of Go
 # module and build caches for the peers (docs/testing.md, "Disk"). Checked
 # first, so a full disk is one clear line rather than thirty failing tests
 # half an hour in.
-cache="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 if compgen -G "$cache/peers/kubelet-*" >/dev/null; then need_gib=6; else need_gib=16; fi
 need_gib="${IMGBRIDGE_NEED_DISK_GIB:-$need_gib}"
 for dir in "$repo_root" "${TMPDIR:-/tmp}"; do
@@ -41,6 +113,7 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # ip/nsenter/curl: the multi-node test's network namespaces and spegel's
 # readiness; unshare: kubelet's own mount namespace; make/gcc: jemalloc is
 # built from source.
+stage_start=$SECONDS
 needed_bins=(containerd ctr runc protoc skopeo umoci docker-registry ip nsenter unshare curl make gcc)
 missing=()
 for bin in "${needed_bins[@]}"; do
@@ -63,6 +136,7 @@ else
         docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev \
         yq jq musl-tools file binutils
 fi
+stage_done "apt" "$stage_start"
 
 if ! command -v cargo >/dev/null 2>&1; then
     if [[ -f "${HOME:-/root}/.cargo/env" ]]; then
@@ -78,115 +152,238 @@ fi
 # Never let a client default to the system containerd.
 unset CONTAINERD_ADDRESS CONTAINERD_NAMESPACE CONTAINERD_SNAPSHOTTER
 
-# --all / --workspace: the test harness (tests/support) is a crate of its own.
-echo "==> cargo fmt --all --check"
-cargo fmt --all --check
+target_dir="${CARGO_TARGET_DIR:-$repo_root/target}"
+mkdir -p "$target_dir"
+out="$target_dir/test-run"
+rm -rf "$out"
+mkdir -p "$out"
 
-echo "==> cargo clippy --workspace --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+# Background jobs die with the run; the table is printed however it ends.
+go_pid=""
+finish() {
+    local rc=$?
+    [[ -z "$go_pid" ]] || kill "$go_pid" 2>/dev/null || true
+    timing_table
+    if [[ -n "${cold_root:-}" && "${cold_keep:-1}" == 0 ]]; then
+        chmod -R u+w "$cold_root" 2>/dev/null || true # Go's module cache is read-only
+        rm -rf "$cold_root"
+    fi
+    exit "$rc"
+}
+trap finish EXIT
 
-echo "==> scripts/module-graph.py (no import cycle in src/)"
-scripts/module-graph.py
-
-echo "==> cargo test --lib --bins (unit tests, once)"
-cargo test --lib --bins -- --test-threads=2
-
-# The Helm chart: helm lint and helm template for every runtime preset, each
-# rendered config.toml loaded by the debug binary (built here, as the
-# integration tests below need it anyway), the static-pod rendering. helm
-# is a pinned Go peer (tests/peers/helm), built once into the peers' cache.
-stage_start=$SECONDS
-echo "==> chart: scripts/test-chart.sh"
-cargo build --bin imgbridge
-scripts/test-chart.sh target/debug/imgbridge
-echo "    (chart checked in $((SECONDS - stage_start)) s)"
-
-# The integration tests run once per containerd of the version matrix:
-# Debian bookworm's 1.6 (the system package), trixie's 1.7, sid's 2.1 and the
-# newest 2.x from the Go module proxy. scripts/containerd-matrix.sh fetches or
-# builds each into a cache outside the repo. IMGBRIDGE_MATRIX="2.4" (labels,
-# space-separated) runs a subset.
+# ------------------------------------------------------------------ Go lane
+# The containerds of the matrix (Debian's by apt download, 2.4 by go build),
+# the real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
+# crane, oras, helm, ko and the OCI conformance suite) and the pinned cargo
+# tools the packaging test needs, each built once into its cache (warm: a
+# few seconds). IMGBRIDGE_SKIP_PEERS=1 skips the peers and the tests that
+# need them (a quick local loop only: CI never sets it).
 matrix="${IMGBRIDGE_MATRIX:-1.6 1.7 2.1 2.4}"
 echo "==> containerd matrix: $matrix"
 echo "    pinned Go peers (tests/peers/*/go.mod):"
 scripts/containerd-matrix.sh versions | sed 's/^/      /'
+go_lane() {
+    local s=$SECONDS
+    # shellcheck disable=SC2086
+    scripts/containerd-matrix.sh fetch $matrix >"$out/containerd-matrix.txt"
+    printf 'Go lane: containerds of the matrix\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
+    if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" ]]; then
+        s=$SECONDS
+        # helm first: the chart stage needs only it.
+        scripts/peers.sh fetch helm buildkit nerdctl crictl spegel kubelet crane conformance oras ko >"$out/peers.txt"
+        printf 'Go lane: peers\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
+    fi
+    if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
+        s=$SECONDS
+        scripts/lib/cargo-tools.sh fetch >/dev/null
+        printf 'Go lane: cargo tools (cargo install)\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
+    fi
+}
+go_start=$SECONDS
+echo "==> Go lane (background, log: $out/go-lane.log): containerds, peers, cargo tools"
+go_lane >"$out/go-lane.log" 2>&1 &
+go_pid=$!
+
+# --------------------------------------------------------------- cargo lane
+# --all / --workspace: the test harness (tests/support) is a crate of its own.
 stage_start=$SECONDS
-# shellcheck disable=SC2086
-scripts/containerd-matrix.sh fetch $matrix > target/containerd-matrix.txt
-cat target/containerd-matrix.txt
-echo "    (containerd matrix ready in $((SECONDS - stage_start)) s)"
-# The one containerd config generator (the harness's, try.sh's, the bench
-# scripts'): every kind of config it writes loads on every version.
-echo "==> scripts/lib/containerd-config-check.sh"
-# shellcheck disable=SC2086
-scripts/lib/containerd-config-check.sh $matrix
+echo "==> cargo fmt --all --check"
+cargo fmt --all --check
+echo "==> cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "==> scripts/module-graph.py (no import cycle in src/)"
+scripts/module-graph.py
+stage_done "fmt, clippy, module graph" "$stage_start"
 
-# The real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
-# crane, oras) and the OCI distribution-spec conformance suite (tests/registry.rs
-# runs it against the registry endpoint), built once into their cache; the
-# tests that need them use the same builds (kubelet: about 11 min cold on two
-# busy cores, under a second warm; crane and conformance: about 1 min cold).
-# IMGBRIDGE_SKIP_PEERS=1 skips both the builds and those tests (a quick
-# local loop only: CI never sets it).
-if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" == "1" ]]; then
-    echo "==> peers skipped (IMGBRIDGE_SKIP_PEERS=1): the buildkit, nerdctl, crictl, spegel (multinode), kubelet, crane, oras and conformance (registry) tests will not run"
-else
-    stage_start=$SECONDS
-    echo "==> peers: scripts/peers.sh fetch"
-    scripts/peers.sh fetch
-    echo "    (peers ready in $((SECONDS - stage_start)) s)"
-fi
+stage_start=$SECONDS
+echo "==> cargo test --lib --bins (unit tests, once)"
+cargo test --lib --bins -- --test-threads=2
+stage_done "unit tests (build and run)" "$stage_start"
 
-# The static binary the release ships (musl, scripts/build-static.sh): the
-# DaemonSet test (tests/daemonset.rs) runs it in the project's own image as
-# the chart's pod under the real kubelet. The same build is release.sh's,
-# so the packaging test below reuses it.
-if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" ]]; then
+# The integration test binaries, built once; run below by path, two at a
+# time, against every containerd (cargo test would hold the target dir's
+# lock while they run).
+stage_start=$SECONDS
+echo "==> cargo test --no-run --test '*' (the integration test binaries)"
+cargo test --no-run --test '*' --message-format=json-render-diagnostics |
+    jq -r 'select(.reason == "compiler-artifact" and .profile.test == true and .target.kind == ["test"]) | "\(.target.name) \(.executable)"' \
+        >"$out/test-binaries.txt"
+[[ -s "$out/test-binaries.txt" ]] || { echo "scripts/test.sh: no integration test binary built" >&2; exit 1; }
+stage_done "integration test binaries (build)" "$stage_start"
+
+# The one release build: the static binary (musl, scripts/build-static.sh)
+# that the DaemonSet test runs in the project's image under the real
+# kubelet, and that release.sh, the .deb and the image of the packaging test
+# take as they are (cargo finds it fresh).
+if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" || "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
     stage_start=$SECONDS
     echo "==> static binary: scripts/build-static.sh x86_64"
     IMGBRIDGE_STATIC_BINARY="$(scripts/build-static.sh x86_64 | awk '$1 == "x86_64" {print $2}')"
     [[ -x "$IMGBRIDGE_STATIC_BINARY" ]] || { echo "scripts/test.sh: no static binary" >&2; exit 1; }
     export IMGBRIDGE_STATIC_BINARY
-    echo "    (static binary ready in $((SECONDS - stage_start)) s)"
+    stage_done "static release binary (musl)" "$stage_start"
 fi
+cargo_lane_secs=$((SECONDS - go_start))
+
+stage_start=$SECONDS
+echo "==> waiting for the Go lane"
+set +e
+wait "$go_pid"
+go_rc=$?
+set -e
+go_pid=""
+cat "$out/go-lane.log"
+if [[ -f "$out/go-lane.times" ]]; then
+    while IFS=$'\t' read -r what secs; do
+        stage_names+=("$what")
+        stage_secs+=("$secs")
+    done <"$out/go-lane.times"
+fi
+[[ $go_rc -eq 0 ]] || { echo "scripts/test.sh: the Go lane failed (log above)" >&2; exit 1; }
+stage_done "waiting for the Go lane (after the cargo lane's $cargo_lane_secs s)" "$stage_start"
+cat "$out/containerd-matrix.txt"
+[[ ! -s "$out/peers.txt" ]] || sed 's/^/    peer /' "$out/peers.txt"
+
+# The one containerd config generator (the harness's, try.sh's, the bench
+# scripts'): every kind of config it writes loads on every version.
+stage_start=$SECONDS
+echo "==> scripts/lib/containerd-config-check.sh"
+# shellcheck disable=SC2086
+scripts/lib/containerd-config-check.sh $matrix
+
+# The Helm chart: helm lint and helm template for every runtime preset, each
+# rendered config.toml loaded by the debug binary, the static-pod rendering.
+if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" ]]; then
+    echo "==> chart: scripts/test-chart.sh"
+    scripts/test-chart.sh "$target_dir/debug/imgbridge"
+fi
+stage_done "containerd configs, chart" "$stage_start"
+
+# ------------------------------------------------------------------ matrix
+# Every integration test binary against every containerd of the matrix:
+# Debian bookworm's 1.6 (the system package), trixie's 1.7, sid's 2.1 and
+# the newest 2.x from the Go module proxy. Tests of imgbridge itself rather
+# than of a containerd fact (its packaging under kubelet, input validation,
+# fault injection, the harness, the registry's idle-session limits) run on
+# the oldest and newest only (docs/testing.md).
+broad_only="daemonset hostile breaker harness"
+# IMGBRIDGE_JOBS binaries at a time (each with two test threads): most of
+# a test's time is spent waiting on daemons (containerd, kubelet, buildkitd
+# and pods starting), so two share the two cores (docs/testing.md, "CI
+# time"). Every daemon a test starts is private (its own sockets, ports,
+# temp dir, runc root and network namespaces), so binaries of different
+# containerds never meet.
+njobs="${IMGBRIDGE_JOBS:-2}"
+# Longest first, so the lanes end together: the last run's seconds per
+# binary and label if known, else this order (measured, longest first).
+times_file="$cache/test-times.tsv"
+default_order="kubelet registry buildkit daemonset multinode nerdctl restart replicate import hostile proxy breaker lazy protected reconcile socket_swap ops conns reset pending pings versions harness"
+declare -A ctd_version=()
+jobs_file="$out/jobs.txt"
+: >"$jobs_file"
+while read -r label version bindir; do
+    ctd_version[$label]="$version"
+    while read -r name exe; do
+        [[ -z "${IMGBRIDGE_TESTS:-}" || " $IMGBRIDGE_TESTS " == *" $name "* ]] || continue
+        case "$label" in
+            1.6 | 2.4) ;;
+            *) [[ " $broad_only " != *" $name "* ]] || continue ;;
+        esac
+        weight="$(awk -v l="$label" -v n="$name" '$1 == l && $2 == n { print $3 }' "$times_file" 2>/dev/null || true)"
+        if [[ -z "$weight" ]]; then
+            rank="$(tr ' ' '\n' <<<"$default_order" | grep -nx "$name" | cut -d: -f1 || true)"
+            weight=$((1000 - ${rank:-99} * 10))
+        fi
+        echo "$weight $label $bindir $name $exe" >>"$jobs_file"
+    done <"$out/test-binaries.txt"
+done <"$out/containerd-matrix.txt"
+sort -k1,1nr -o "$jobs_file" "$jobs_file"
+
+run_job() { # label bindir name exe
+    local label="$1" bindir="$2" name="$3" exe="$4" s=$SECONDS rc
+    local -a skip=()
+    case "$label" in 1.6 | 2.4) ;; *) skip=(--skip idle_upload_sessions_) ;; esac
+    {
+        echo "     Running tests/$name.rs against containerd ${ctd_version[$label]} ($label)"
+        set +e
+        IMGBRIDGE_CONTAINERD="$bindir" "$exe" --test-threads=2 "${skip[@]}" 2>&1
+        rc=$?
+        set -e
+    } >"$out/job-$label-$name.log"
+    echo "$rc $((SECONDS - s))" >"$out/job-$label-$name.end"
+}
+
+stage_start=$SECONDS
+echo "==> integration tests: $(wc -l <"$jobs_file") test binaries × containerds, $njobs at a time"
+declare -A job_of_pid=()
+reap() {
+    local pid="" j rc secs
+    wait -n -p pid || true
+    [[ -n "$pid" && -n "${job_of_pid[$pid]:-}" ]] || return 0
+    j="${job_of_pid[$pid]}"
+    unset "job_of_pid[$pid]"
+    cat "$out/job-$j.log"
+    read -r rc secs <"$out/job-$j.end" || { rc="lost"; secs="?"; }
+    echo "    (tests/${j#*-}.rs on containerd ${j%%-*}: exit $rc, $secs s)"
+}
+while read -r _ label bindir name exe; do
+    while ((${#job_of_pid[@]} >= njobs)); do reap; done
+    run_job "$label" "$bindir" "$name" "$exe" &
+    job_of_pid[$!]="$label-$name"
+done <"$jobs_file"
+while ((${#job_of_pid[@]})); do reap; done
+stage_done "integration tests, $njobs binaries at a time (wall)" "$stage_start"
 
 summary=()
 failed=0
-# Test binaries run on 1.6 and 2.4 only (see the loop).
-broad_only="daemonset hostile breaker harness"
-while read -r label version bindir; do
-    log="target/test-containerd-$label.log"
-    stage_start=$SECONDS
-    echo "==> integration tests against containerd $version ($label)"
-    set +e
-    # Tests of imgbridge itself rather than of a containerd fact (its
-    # packaging under kubelet, input validation, fault injection, the
-    # harness, the registry's idle-session limits) run on the oldest and
-    # newest containerd only, to keep CI within its time (docs/testing.md).
-    targets=(--test '*')
-    skip=()
-    case "$label" in
-        1.6 | 2.4) ;;
-        *)
-            targets=()
-            for t in tests/*.rs; do
-                t="$(basename "$t" .rs)"
-                [[ " $broad_only " == *" $t "* ]] || targets+=(--test "$t")
-            done
-            skip=(--skip idle_upload_sessions_)
-            ;;
-    esac
-    IMGBRIDGE_CONTAINERD="$bindir" cargo test "${targets[@]}" --no-fail-fast -- --test-threads=2 "${skip[@]}" 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
-    set -e
-    passed=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
-    nfail=$(grep -E '^test result:' "$log" | grep -Eo '[0-9]+ failed' | awk '{s += $1} END {print s + 0}')
-    if [[ $rc -ne 0 && $nfail -eq 0 ]]; then
-        nfail="build or harness error (exit $rc)"
-    fi
-    summary+=("containerd $version: $passed passed, $nfail failed ($((SECONDS - stage_start)) s)")
-    [[ $rc -eq 0 ]] || failed=1
-done < target/containerd-matrix.txt
+mkdir -p "$cache"
+times_tmp="$(mktemp "$cache/test-times.XXXXXX")"
+while read -r label version _; do
+    passed=0 nfail=0 secs=0 errors=()
+    for end in "$out"/job-"$label"-*.end; do
+        [[ -e "$end" ]] || continue
+        j="$(basename "$end" .end)"
+        name="${j#job-"$label"-}"
+        read -r rc s <"$end"
+        secs=$((secs + s))
+        echo "$label $name $s" >>"$times_tmp"
+        p=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$out/$j.log" | awk '{s += $4} END {print s + 0}')
+        f=$(grep -E '^test result:' "$out/$j.log" | grep -Eo '[0-9]+ failed' | awk '{s += $1} END {print s + 0}')
+        passed=$((passed + p))
+        nfail=$((nfail + f))
+        if [[ "$rc" != 0 ]]; then
+            failed=1
+            ((f > 0)) || errors+=("$name: exit $rc")
+        fi
+    done
+    line="containerd $version: $passed passed, $nfail failed ($secs s of test binaries)"
+    ((${#errors[@]} == 0)) || line+=" — harness error in ${errors[*]}"
+    summary+=("$line")
+    stage_names+=("  containerd $label (sum of its binaries)")
+    stage_secs+=("$secs")
+done <"$out/containerd-matrix.txt"
+mv "$times_tmp" "$times_file"
 
 echo "==> summary"
 printf '%s\n' "${summary[@]}"
@@ -206,5 +403,5 @@ else
     echo "==> scripts/test-packaging.sh"
     stage_start=$SECONDS
     scripts/test-packaging.sh
-    echo "    (packaging checked in $((SECONDS - stage_start)) s)"
+    stage_done "packaging" "$stage_start"
 fi
