@@ -86,7 +86,7 @@ warm_if() { # label test...
 warm_if "go-build" test -e "$(go_env GOCACHE)/trim.txt"
 warm_if "go-modules" test -d "$(go_env GOMODCACHE)/cache/download"
 warm_if "peers" compgen -G "$cache/peers/kubelet-*/bin/kubelet"
-warm_if "containerds" compgen -G "$cache/containerd/2.4-*/bin/containerd"
+warm_if "containerds" compgen -G "$cache/containerd/v2.*-*/bin/containerd"
 warm_if "cargo-registry" test -d "${CARGO_HOME:-$HOME/.cargo}/registry/cache"
 warm_if "cargo-target" test -d "${CARGO_TARGET_DIR:-target}/debug/deps"
 warm_if "cargo-tools" compgen -G "$tools/cargo-deb-*/bin/cargo-deb"
