@@ -38,25 +38,26 @@ fn list() -> (String, usize) {
     (list, n)
 }
 
-/// Reads as `pull::read` does, then only finds the lines.
-fn floor(path: &Path) -> usize {
+/// The list's bytes, read as `pull::read` reads them (capped).
+fn read_capped(path: &Path) -> Vec<u8> {
     let f = std::fs::File::open(path).expect("open");
     let mut b = Vec::new();
     f.take(MAX_LIST_BYTES + 1)
         .read_to_end(&mut b)
         .expect("read");
-    String::from_utf8_lossy(&b)
+    b
+}
+
+/// Reads as `pull::read` does, then only finds the lines.
+fn floor(path: &Path) -> usize {
+    String::from_utf8_lossy(&read_capped(path))
         .lines()
         .filter(|l| !l.trim().is_empty())
         .count()
 }
 
 fn floor_dedupe(path: &Path) -> usize {
-    let f = std::fs::File::open(path).expect("open");
-    let mut b = Vec::new();
-    f.take(MAX_LIST_BYTES + 1)
-        .read_to_end(&mut b)
-        .expect("read");
+    let b = read_capped(path);
     let text = String::from_utf8_lossy(&b);
     let mut seen = std::collections::HashSet::new();
     text.lines()
