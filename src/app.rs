@@ -30,18 +30,18 @@ pub enum ServeError {
 /// Optional extra listeners the caller already bound.
 #[derive(Default)]
 pub struct Listeners {
-    /// Relayed byte for byte to `<upstream>.ttrpc`.
-    pub ttrpc: Option<UnixListener>,
+    /// Each relayed byte for byte to `<upstream>.ttrpc`.
+    pub ttrpc: Vec<UnixListener>,
 }
 
-/// Serves `listener` with the behaviour `config` describes until `shutdown`.
+/// Serves `listeners` (every one alike) with the behaviour `config` describes until `shutdown`.
 ///
 /// Shutdown order: when `shutdown` resolves, both listeners stop accepting
 /// at once and the ttrpc relay closes its connections (shims reconnect);
 /// the gRPC calls in flight drain (see [`proxy::serve`]) with replication
 /// still running for the calls it holds; then the background tasks stop.
 pub async fn serve(
-    listener: UnixListener,
+    listeners: Vec<UnixListener>,
     extra: Listeners,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()>,
@@ -65,7 +65,7 @@ pub async fn serve(
         let l = ops::http::bind(&config.metrics.listen).await?;
         tasks.push(tokio::spawn(ops::http::serve(l, ops.clone(), stop.clone())));
     }
-    if let Some(l) = extra.ttrpc {
+    for l in extra.ttrpc {
         let up = ttrpc_path(&config.upstream);
         tasks.push(tokio::spawn(proxy::raw::relay(l, up, closing.clone())));
     }
@@ -99,7 +99,7 @@ pub async fn serve(
     tasks.extend(start_registry(&config, &containerd, &replicator, &ops, &stop).await?);
     pc.observer = Some(ops.metrics.clone());
     let hooks = Arc::new(ImageHooks::new(replicator.clone()));
-    let result = proxy::serve(listener, pc, hooks, shutdown).await;
+    let result = proxy::serve(listeners, pc, hooks, shutdown).await;
     closing.cancel(); // if serve failed instead
     stop.cancel();
     for t in tasks {

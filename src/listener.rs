@@ -86,12 +86,37 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
         })?;
         tracing::info!(socket = %path.display(), "replaced stale socket file");
     }
-    let listener = UnixListener::bind(path).map_err(|source| ListenError::Bind {
+    let listener = bind_narrow(path, perms.mode).map_err(|source| ListenError::Bind {
         path: path.into(),
         source,
     })?;
     apply_perms(path, perms)?;
     Ok(listener)
+}
+
+/// Binds and listens with the socket file born no wider than `mode`: the
+/// socket's own inode gets `mode` before `bind`, which creates the file with
+/// it (less the umask, which only narrows). A plain `bind` creates it
+/// `0777 & !umask` and the mode is set only after, so a client could connect
+/// in between (with umask 0, anyone). `apply_perms` then sets the exact mode
+/// and group; until then the file is at most `mode`, owned by root's group.
+fn bind_narrow(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
+    use nix::sys::stat::{fchmod, Mode};
+    let fd = socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    fchmod(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        Mode::from_bits_truncate(mode),
+    )?;
+    socket::bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(path)?)?;
+    // SOMAXCONN, as std's and tokio's bind use.
+    socket::listen(&fd, socket::Backlog::MAXCONN)?;
+    UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
 }
 
 /// The file of a socket this process bound, removed when dropped: every way
@@ -193,6 +218,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o600);
+    }
+
+    /// The file exists no wider than the configured mode from the moment
+    /// it is bound (before, `bind` made it `0777 & !umask` first).
+    #[tokio::test]
+    async fn the_socket_file_is_born_with_its_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.sock");
+        let _l = bind_narrow(&p, 0o660).unwrap();
+        let umask = {
+            let u = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+            nix::sys::stat::umask(u);
+            u.bits() as u32
+        };
+        let mode = std::fs::metadata(&p).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o660 & !umask, "umask {umask:03o}");
+        assert_eq!(mode & 0o007, 0, "never open to others, even for a moment");
     }
 
     #[tokio::test]

@@ -96,8 +96,9 @@ struct Common {
     /// TOML configuration file (default /etc/imgbridge/config.toml if present).
     #[arg(long, env = "IMGBRIDGE_CONFIG")]
     config: Option<PathBuf>,
-    /// containerd's gRPC socket.
-    #[arg(long)]
+    /// containerd's gRPC socket. The variable is how `imgbridge swap`'s
+    /// service drop-in moves it without editing the configuration file.
+    #[arg(long, env = "IMGBRIDGE_UPSTREAM")]
     upstream: Option<PathBuf>,
     /// Namespace replicated from (repeatable).
     #[arg(long = "source-namespace")]
@@ -394,25 +395,29 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         let owned = activated.is_none();
         // Files of the sockets bound here, removed however this block ends.
         let mut files = Vec::new();
-        let (l, ttrpc) = match activated {
+        let (grpc, ttrpc) = match activated {
             Some(a) => {
-                let ttrpc = a.ttrpc.map(tokio::net::UnixListener::from_std).transpose()?;
-                (tokio::net::UnixListener::from_std(a.grpc)?, ttrpc)
+                imgbridge::ops::activation::check_settings(&a, &c.listen, perms);
+                let (g, t) = a.split();
+                let tokio = |v: Vec<std::os::unix::net::UnixListener>| {
+                    v.into_iter()
+                        .map(tokio::net::UnixListener::from_std)
+                        .collect::<std::io::Result<Vec<_>>>()
+                };
+                (tokio(g)?, tokio(t)?)
             }
             None => {
                 // ttrpc first: once the gRPC socket accepts, both are up
                 // (clients, and the tests, wait for that one).
-                let ttrpc = if c.ttrpc {
+                let mut ttrpc = Vec::new();
+                if c.ttrpc {
                     let path = imgbridge::app::ttrpc_path(&c.listen);
-                    let l = listener::bind(&path, perms)?;
+                    ttrpc.push(listener::bind(&path, perms)?);
                     files.push(SocketFile::new(&path));
-                    Some(l)
-                } else {
-                    None
-                };
+                }
                 let l = listener::bind(&c.listen, perms)?;
                 files.push(SocketFile::new(&c.listen));
-                (l, ttrpc)
+                (vec![l], ttrpc)
             }
         };
         // On the signal, the socket files go first: a new instance can bind
@@ -425,14 +430,17 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 drop(files);
             }
         };
-        let bound = l
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
-            .unwrap_or_else(|| c.listen.display().to_string());
-        tracing::info!(listen = %bound, socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
+        for (l, role) in grpc.iter().map(|l| (l, "grpc")).chain(ttrpc.iter().map(|l| (l, "ttrpc"))) {
+            let path = l
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+                .unwrap_or_else(|| "(unnamed)".into());
+            tracing::info!("serving socket={path} role={role}");
+        }
+        tracing::info!(listen = %c.listen.display(), socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         let res = imgbridge::serve(
-            l,
+            grpc,
             imgbridge::app::Listeners { ttrpc },
             Arc::new(c.clone()),
             shutdown,

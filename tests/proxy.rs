@@ -546,6 +546,14 @@ async fn containerd_restart_fails_fast_then_serves_again() {
     let e = late.version(()).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     assert!(e.message().contains(c.socket().to_str().unwrap()), "{e:?}");
+    // More clients during the same outage: one WARN for the outage, not
+    // one per connection or call (it was 57 lines in 5 s under a loop).
+    for _ in 0..10 {
+        let mut one = api::version_client::VersionClient::new(containerd_channel(p.socket()).await);
+        one.version(()).await.unwrap_err();
+    }
+    let warned = p.log().matches("containerd unavailable").count();
+    assert_eq!(warned, 1, "one WARN per outage, got {warned}:\n{}", p.log());
     c.restart();
     for client in [&v, &late] {
         let ok = poll_async(Duration::from_secs(10), || {
@@ -566,6 +574,27 @@ async fn containerd_restart_fails_fast_then_serves_again() {
         "fallback connection was not moved",
     );
     late.version(()).await.expect("served after the move");
+    // The outage's end is logged once, with what it cost.
+    p.wait_for_log(
+        "containerd is back",
+        Duration::from_secs(5),
+        "the outage's end was not logged",
+    );
+    let log = p.log();
+    let back = log
+        .lines()
+        .find(|l| l.contains("containerd is back"))
+        .unwrap();
+    let calls: u64 = back
+        .split("unavailable_calls=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {back:?}"));
+    assert!(
+        calls >= 11,
+        "11 calls failed in the outage, {calls} counted: {back}"
+    );
 }
 
 #[test]
@@ -890,7 +919,7 @@ async fn interception_hook_runs_and_failing_hook_gives_clean_error() {
     let hooks = Arc::new(TestHooks { seen: seen.clone() });
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(imgbridge::proxy::serve(
-        listener,
+        vec![listener],
         imgbridge::proxy::ProxyConfig::new(c.socket()),
         hooks,
         stop.clone().cancelled_owned(),

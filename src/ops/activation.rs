@@ -1,12 +1,16 @@
 //! systemd socket activation (`sd_listen_fds(3)`): when systemd started us
-//! with `LISTEN_PID`/`LISTEN_FDS`, the proxy socket is fd 3 and, if the socket
-//! unit declares a second `ListenStream=`, the ttrpc socket is fd 4.
+//! with `LISTEN_PID`/`LISTEN_FDS`, every passed socket is served: the ones
+//! whose path ends in `.ttrpc` (or named `ttrpc` by `FileDescriptorName=`)
+//! by the ttrpc relay, all others by the gRPC proxy. So the drop-in socket
+//! swap adds containerd's default path beside `/run/imgbridge/containerd.sock`
+//! and both stay live (docs/socket-swap.md).
 //!
 //! systemd owns these sockets: they stay bound (and queue connections) while
 //! imgbridge restarts, and imgbridge must not remove their files on exit.
 
 use std::os::fd::{BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
 
 use nix::sys::socket::{getsockname, getsockopt, sockopt, UnixAddr};
 
@@ -19,19 +23,45 @@ pub enum ActivationError {
     BadCount(String),
     #[error("LISTEN_FDS=0: the socket unit passed no sockets")]
     NoSockets,
+    #[error("systemd passed only ttrpc sockets ({0}); add a ListenStream= for the gRPC socket to imgbridge.socket")]
+    NoGrpc(String),
     #[error("fd {fd} passed by systemd is not a listening Unix stream socket ({why}); use ListenStream=/path in imgbridge.socket")]
     NotUnixListener { fd: RawFd, why: String },
     #[error("fd {fd}: {source}")]
     Io { fd: RawFd, source: std::io::Error },
 }
 
-/// Listeners handed over by systemd.
+/// Which server a passed socket feeds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Grpc,
+    Ttrpc,
+}
+
+/// One socket handed over by systemd.
+#[derive(Debug)]
+pub struct Passed {
+    pub listener: UnixListener,
+    /// Its path (`None` for an abstract or unnamed socket).
+    pub path: Option<PathBuf>,
+    pub role: Role,
+}
+
+/// Listeners handed over by systemd, at least one of them gRPC.
 #[derive(Debug)]
 pub struct Activated {
-    /// The gRPC proxy socket (fd 3).
-    pub grpc: UnixListener,
-    /// The ttrpc relay socket (fd 4), when the unit passes two sockets.
-    pub ttrpc: Option<UnixListener>,
+    pub sockets: Vec<Passed>,
+}
+
+impl Activated {
+    /// Splits into the gRPC and the ttrpc listeners.
+    pub fn split(self) -> (Vec<UnixListener>, Vec<UnixListener>) {
+        let (g, t): (Vec<_>, Vec<_>) = self.sockets.into_iter().partition(|p| p.role == Role::Grpc);
+        (
+            g.into_iter().map(|p| p.listener).collect(),
+            t.into_iter().map(|p| p.listener).collect(),
+        )
+    }
 }
 
 /// Takes the listeners systemd passed, if any, and unsets `LISTEN_PID`,
@@ -61,36 +91,92 @@ pub fn from_env() -> Result<Option<Activated>, ActivationError> {
     if n < 1 {
         return Err(ActivationError::NoSockets);
     }
-    let (grpc_fd, ttrpc_fd) = assign(n, names.as_deref());
-    let grpc = take(grpc_fd)?;
-    let ttrpc = ttrpc_fd.map(take).transpose()?;
-    Ok(Some(Activated { grpc, ttrpc }))
+    let names: Vec<&str> = names
+        .as_deref()
+        .map(|s| s.split(':').collect())
+        .unwrap_or_default();
+    let mut sockets = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let fd = LISTEN_FDS_START + i;
+        let (listener, path) = take(fd)?;
+        let name = names
+            .get(i as usize)
+            .copied()
+            .filter(|_| names.len() == n as usize);
+        let role = role(name, path.as_deref());
+        sockets.push(Passed {
+            listener,
+            path,
+            role,
+        });
+    }
+    if !sockets.iter().any(|p| p.role == Role::Grpc) {
+        let paths: Vec<String> = sockets
+            .iter()
+            .map(|p| {
+                p.path
+                    .as_deref()
+                    .map_or("?".into(), |p| p.display().to_string())
+            })
+            .collect();
+        return Err(ActivationError::NoGrpc(paths.join(", ")));
+    }
+    Ok(Some(Activated { sockets }))
 }
 
-/// Which passed fd is which: by `FileDescriptorName=` when one is named
-/// `ttrpc`, else by order (first gRPC, second ttrpc). Extra fds are ignored.
-fn assign(n: RawFd, names: Option<&str>) -> (RawFd, Option<RawFd>) {
-    let names: Vec<&str> = names.map(|s| s.split(':').collect()).unwrap_or_default();
-    if names.len() == n as usize {
-        if let Some(t) = names.iter().position(|&x| x == "ttrpc") {
-            let g = (0..n as usize).find(|&i| i != t);
-            if let Some(g) = g {
-                return (
-                    LISTEN_FDS_START + g as RawFd,
-                    Some(LISTEN_FDS_START + t as RawFd),
-                );
-            }
+/// Says what socket activation overrides: `socket_mode`/`socket_group`
+/// that differ from the socket systemd passed (systemd's `SocketMode=` and
+/// `SocketGroup=` decide), and a `listen` path systemd does not pass. A WARN
+/// each, naming the drop-in setting to change instead; silence hid it.
+pub fn check_settings(a: &Activated, listen: &std::path::Path, want: crate::listener::SocketPerms) {
+    use std::os::unix::fs::MetadataExt;
+    for p in &a.sockets {
+        let Some(path) = &p.path else { continue };
+        let Ok(m) = std::fs::metadata(path) else {
+            continue;
+        };
+        let (mode, gid) = (m.mode() & 0o7777, m.gid());
+        let want_gid = want.gid.unwrap_or(0);
+        if mode != want.mode || gid != want_gid {
+            tracing::warn!(
+                socket = %path.display(),
+                "socket_mode = \"{:04o}\" / socket_group (gid {want_gid}) are not applied under socket activation: systemd created this socket {mode:04o} with gid {gid}; set SocketMode=/SocketGroup= in a drop-in for imgbridge.socket (systemctl edit imgbridge.socket) instead",
+                want.mode
+            );
         }
     }
-    (LISTEN_FDS_START, (n >= 2).then_some(LISTEN_FDS_START + 1))
+    if !a.sockets.iter().any(|p| p.path.as_deref() == Some(listen)) {
+        let paths: Vec<String> = a
+            .sockets
+            .iter()
+            .filter_map(|p| p.path.as_ref().map(|p| p.display().to_string()))
+            .collect();
+        tracing::warn!(
+            listen = %listen.display(),
+            passed = %paths.join(", "),
+            "listen is not applied under socket activation: systemd passed other sockets; change ListenStream= in imgbridge.socket instead"
+        );
+    }
 }
 
-fn take(fd: RawFd) -> Result<UnixListener, ActivationError> {
+/// A socket named `ttrpc` or `grpc` by `FileDescriptorName=` is that; else
+/// a path ending in `.ttrpc` (containerd's own naming) is the ttrpc relay's.
+fn role(name: Option<&str>, path: Option<&std::path::Path>) -> Role {
+    match name {
+        Some("ttrpc") => Role::Ttrpc,
+        Some("grpc") => Role::Grpc,
+        _ if path.is_some_and(|p| p.extension().is_some_and(|e| e == "ttrpc")) => Role::Ttrpc,
+        _ => Role::Grpc,
+    }
+}
+
+fn take(fd: RawFd) -> Result<(UnixListener, Option<PathBuf>), ActivationError> {
     // SAFETY: systemd passed `fd` to this process and owns nothing else here;
     // it is only borrowed for the checks below.
     let b = unsafe { BorrowedFd::borrow_raw(fd) };
     let not = |why: String| ActivationError::NotUnixListener { fd, why };
-    getsockname::<UnixAddr>(fd).map_err(|e| not(format!("getsockname: {e}")))?;
+    let addr = getsockname::<UnixAddr>(fd).map_err(|e| not(format!("getsockname: {e}")))?;
+    let path = addr.path().map(|p| p.to_path_buf());
     match getsockopt(&b, sockopt::SockType) {
         Ok(nix::sys::socket::SockType::Stream) => {}
         Ok(t) => return Err(not(format!("socket type {t:?}"))),
@@ -112,22 +198,32 @@ fn take(fd: RawFd) -> Result<UnixListener, ActivationError> {
     let l = unsafe { UnixListener::from_raw_fd(fd) };
     l.set_nonblocking(true)
         .map_err(|source| ActivationError::Io { fd, source })?;
-    Ok(l)
+    Ok((l, path))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
-    fn assigns_by_name_then_order() {
-        assert_eq!(assign(1, None), (3, None));
-        assert_eq!(assign(2, None), (3, Some(4)));
+    fn every_socket_has_a_role_by_name_then_path() {
+        let p = |s: &'static str| Some(Path::new(s));
+        assert_eq!(role(None, p("/run/imgbridge/containerd.sock")), Role::Grpc);
         assert_eq!(
-            assign(2, Some("imgbridge.socket:imgbridge.socket")),
-            (3, Some(4))
+            role(None, p("/run/imgbridge/containerd.sock.ttrpc")),
+            Role::Ttrpc
         );
-        assert_eq!(assign(2, Some("ttrpc:grpc")), (4, Some(3)));
-        assert_eq!(assign(3, Some("a:b")), (3, Some(4)));
+        assert_eq!(role(None, p("/run/containerd/containerd.sock")), Role::Grpc);
+        assert_eq!(
+            role(
+                Some("imgbridge.socket"),
+                p("/run/containerd/containerd.sock.ttrpc")
+            ),
+            Role::Ttrpc
+        );
+        assert_eq!(role(Some("ttrpc"), p("/run/x.sock")), Role::Ttrpc);
+        assert_eq!(role(Some("grpc"), p("/run/x.sock.ttrpc")), Role::Grpc);
+        assert_eq!(role(None, None), Role::Grpc);
     }
 }

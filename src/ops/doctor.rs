@@ -71,6 +71,19 @@ pub async fn run(config: &Config, load_error: Option<&dyn Display>) -> Report {
             Err(e) => r.fail("configuration", e.to_string(), "correct the named key"),
         },
     }
+    // Under the socket swap the service's upstream is containerd's real
+    // socket; the file's (the default path) is imgbridge itself then.
+    let swapped;
+    let config = match checks::systemd::sockets(config, &mut r) {
+        Some(up) => {
+            swapped = Config {
+                upstream: up,
+                ..config.clone()
+            };
+            &swapped
+        }
+        None => config,
+    };
     if checks::upstream::upstream_checks(config, &mut r).await {
         checks::node::namespaces(config, &mut r).await;
     }

@@ -14,6 +14,7 @@ pub mod grpc;
 pub mod h2;
 pub mod intercept;
 pub mod observe;
+pub mod outage;
 pub mod raw;
 pub mod shards;
 mod sock;
@@ -76,13 +77,13 @@ pub enum ProxyError {
     Threads(std::io::Error),
 }
 
-/// Serves gRPC on `listener` until `shutdown` resolves, then stops accepting
+/// Serves gRPC on every one of `listeners` until `shutdown` resolves, then stops accepting
 /// (the listener is closed at once) and drains: every client is sent GOAWAY,
 /// open-ended calls (event subscriptions) are ended with UNAVAILABLE right
 /// away, and the other calls in flight, held ones included, may finish for
 /// up to `drain_timeout` (the rule: [`h2::OPEN_ENDED`]).
 pub async fn serve(
-    listener: UnixListener,
+    listeners: Vec<UnixListener>,
     config: ProxyConfig,
     interceptor: Arc<dyn Interceptor>,
     shutdown: impl Future<Output = ()>,
@@ -102,15 +103,17 @@ pub async fn serve(
         observer: config.observer.clone(),
         upstream: config.upstream.clone(),
     });
+    let outage = Arc::new(outage::Outage::default());
     let drain = CancellationToken::new();
     let tracker = TaskTracker::new();
     tokio::pin!(shutdown);
     let mut accept_errors = 0u32;
+    let mut next = 0;
     loop {
         let stream = tokio::select! {
             _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok((s, _)) => { accept_errors = 0; s }
+            accepted = accept_any(&listeners, &mut next) => match accepted {
+                Ok(s) => { accept_errors = 0; s }
                 Err(e) if out_of_fds(&e) => {
                     // Our own limit, not a broken socket: pause accepting
                     // (connections already open keep being served) and say
@@ -141,10 +144,10 @@ pub async fn serve(
             }
         };
         let builder = builder.clone();
-        let (ctx, drain) = (splice_ctx.clone(), drain.clone());
-        shards.spawn(tracker.track_future(connection(stream, peer, builder, ctx, drain)));
+        let (ctx, drain, outage) = (splice_ctx.clone(), drain.clone(), outage.clone());
+        shards.spawn(tracker.track_future(connection(stream, peer, builder, ctx, outage, drain)));
     }
-    drop(listener);
+    drop(listeners);
     tracing::info!("shutting down: stopped accepting; draining in-flight calls");
     let started = tokio::time::Instant::now();
     drain.cancel();
@@ -166,6 +169,7 @@ async fn connection(
     peer: String,
     builder: Arc<hyper::server::conn::http2::Builder<TokioExecutor>>,
     ctx: Arc<h2::Ctx>,
+    outage: Arc<outage::Outage>,
     drain: CancellationToken,
 ) {
     let stream = match UnixStream::from_std(stream) {
@@ -178,6 +182,7 @@ async fn connection(
     // containerd answers: splice the two connections frame by frame.
     let error = match UnixStream::connect(&ctx.upstream).await {
         Ok(up) => {
+            outage.up(&ctx.upstream);
             match h2::run(stream, up, ctx.clone(), drain).await {
                 Err(e) if e.is_hangup() => {
                     tracing::debug!(peer = %peer, error = %e, "connection ended")
@@ -198,7 +203,25 @@ async fn connection(
         }
         Err(e) => e,
     };
-    unavailable(stream, &builder, &ctx, &error, &drain, &peer).await;
+    outage.down(&ctx.upstream, &error);
+    unavailable(stream, &builder, &ctx, &error, &outage, &drain, &peer).await;
+}
+
+/// The next connection on any of `listeners`, which take turns being asked
+/// first so that a busy socket cannot starve another.
+async fn accept_any(listeners: &[UnixListener], next: &mut usize) -> std::io::Result<UnixStream> {
+    std::future::poll_fn(|cx| {
+        let n = listeners.len();
+        for i in 0..n {
+            let k = (*next + i) % n;
+            if let std::task::Poll::Ready(r) = listeners[k].poll_accept(cx) {
+                *next = (k + 1) % n;
+                return std::task::Poll::Ready(r.map(|(s, _)| s));
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 /// EMFILE / ENFILE: this process (or the system) has no descriptor left.
@@ -214,17 +237,19 @@ async fn unavailable(
     builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
     ctx: &h2::Ctx,
     error: &std::io::Error,
+    outage: &Arc<outage::Outage>,
     drain: &CancellationToken,
     peer: &str,
 ) {
     let upstream = &ctx.upstream;
-    tracing::warn!(upstream = %upstream.display(), error = %error, "containerd unavailable; answering UNAVAILABLE until it is back");
     let message = format!(
         "imgbridge: containerd at {} is unavailable: {error}",
         upstream.display()
     );
     let observer = ctx.observer.clone();
+    let counted = outage.clone();
     let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        counted.call();
         if let Some(o) = &observer {
             let mut call = CallGuard::new(o.clone(), req.uri().path().into());
             call.set_status(Some(tonic::Code::Unavailable as i32));
@@ -242,7 +267,10 @@ async fn unavailable(
             }
             return;
         }
-        () = back(upstream) => "containerd is back; moving the client to a spliced connection",
+        () = back(upstream) => {
+            outage.up(upstream);
+            "containerd is back; moving the client to a spliced connection"
+        }
         () = drain.cancelled() => "draining",
     };
     tracing::debug!(peer = %peer, "{why}");

@@ -18,6 +18,7 @@ use tokio_util::task::TaskTracker;
 /// Returns once all are closed.
 pub async fn relay(listener: UnixListener, upstream: PathBuf, shutdown: CancellationToken) {
     let upstream = Arc::new(upstream);
+    let outage = Arc::new(super::outage::Outage::default());
     let conns = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
@@ -37,11 +38,17 @@ pub async fn relay(listener: UnixListener, upstream: PathBuf, shutdown: Cancella
         };
         let upstream = upstream.clone();
         let shutdown = shutdown.clone();
+        let outage = outage.clone();
         conns.spawn(async move {
             let mut up = match UnixStream::connect(&*upstream).await {
-                Ok(s) => s,
+                Ok(s) => {
+                    outage.up(&upstream);
+                    s
+                }
                 Err(e) => {
-                    tracing::warn!(upstream = %upstream.display(), error = %e, "ttrpc upstream unreachable; closing client connection");
+                    // The client's connection is closed (it reconnects).
+                    outage.down(&upstream, &e);
+                    outage.call();
                     return;
                 }
             };

@@ -4,5 +4,6 @@
 pub(super) mod containerd_config;
 pub(super) mod node;
 pub(super) mod snapshotters;
+pub(super) mod systemd;
 pub(super) mod upstream;
 pub(super) mod version;
