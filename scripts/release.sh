@@ -88,7 +88,7 @@ scripts/licenses.sh "$stage/licenses" "${triples[@]}"
 for arch in "${archs[@]}"; do
     name="imgbridge-$version-$arch-linux"
     d="$stage/tar/$name"
-    mkdir -p "$d/man" "$d/completions" "$d/systemd" "$d/openrc"
+    mkdir -p "$d/man" "$d/completions" "$d/systemd" "$d/openrc" "$d/kubernetes"
     install -m 0755 "$stage/$arch/imgbridge" "$d/imgbridge"
     "$host_bin" man --dir "$d/man" >/dev/null
     gzip -9 -n "$d"/man/*.8
@@ -100,6 +100,8 @@ for arch in "${archs[@]}"; do
     sed 's|^ExecStart=/usr/bin/imgbridge|ExecStart=/usr/local/bin/imgbridge|' packaging/imgbridge.service >"$d/systemd/imgbridge.service"
     cp packaging/imgbridge.socket "$d/systemd/"
     cp packaging/openrc/imgbridge packaging/openrc/imgbridge.confd "$d/openrc/"
+    # INSTALL.md's "without Helm" recipe applies it from the tarball.
+    cp packaging/kubernetes/daemonset.yaml "$d/kubernetes/"
     cp "$stage/licenses/LICENSE" "$stage/licenses/THIRD-PARTY-LICENSES" "$d/"
     cp docs/install.md "$d/INSTALL.md"
     find "$d" -type d -exec chmod 0755 {} +

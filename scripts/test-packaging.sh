@@ -69,7 +69,7 @@ t="$work/imgbridge-$version-x86_64-linux"
 for f in imgbridge LICENSE THIRD-PARTY-LICENSES INSTALL.md config.toml man/imgbridge.8.gz \
     man/imgbridge-serve.8.gz completions/imgbridge.bash completions/_imgbridge \
     completions/imgbridge.fish systemd/imgbridge.service systemd/imgbridge.socket \
-    openrc/imgbridge openrc/imgbridge.confd; do
+    openrc/imgbridge openrc/imgbridge.confd kubernetes/daemonset.yaml; do
     [[ -f "$t/$f" ]] || fail "tarball lacks $f"
 done
 grep -qx 'ExecStart=/usr/local/bin/imgbridge serve --config /etc/imgbridge/config.toml' "$t/systemd/imgbridge.service" ||
