@@ -55,6 +55,34 @@ enum Command {
     },
     /// Import image archives and pull lists once, then exit (1 on failures).
     Import(ImportArgs),
+    /// The drop-in socket swap: imgbridge on containerd's default socket too (docs/socket-swap.md).
+    Swap(SwapArgs),
+}
+
+#[derive(Args)]
+struct SwapArgs {
+    #[command(subcommand)]
+    action: SwapAction,
+    /// containerd's configuration file.
+    #[arg(long, global = true, default_value = "/etc/containerd/config.toml")]
+    containerd_config: PathBuf,
+    /// Where containerd moves to.
+    #[arg(
+        long,
+        global = true,
+        default_value = "/run/containerd/containerd-real.sock"
+    )]
+    real_socket: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum SwapAction {
+    /// Move containerd aside and serve its default socket, in one step (rolled back if it fails).
+    Apply,
+    /// Put containerd back on its default socket, as it was before apply.
+    Rollback,
+    /// Say which pieces of the swap are in place.
+    Status,
 }
 
 #[derive(Args)]
@@ -237,6 +265,7 @@ fn main() -> anyhow::Result<()> {
         Command::Sync(a) => sync(a),
         Command::Import(a) => import(a),
         Command::Doctor(a) => doctor(a),
+        Command::Swap(a) => swap(a),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,
@@ -303,6 +332,21 @@ fn doctor(a: DoctorArgs) -> anyhow::Result<()> {
     let _ = write!(std::io::stdout(), "{report}");
     if report.failed() {
         std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn swap(a: SwapArgs) -> anyhow::Result<()> {
+    use imgbridge::ops::swap;
+    let o = swap::SwapOptions {
+        containerd_config: a.containerd_config,
+        real_socket: a.real_socket,
+        ..swap::SwapOptions::default()
+    };
+    match a.action {
+        SwapAction::Apply => print!("{}", swap::apply(&o)?),
+        SwapAction::Rollback => print!("{}", swap::rollback(&o)?),
+        SwapAction::Status => print!("{}", swap::status(&o)?),
     }
     Ok(())
 }

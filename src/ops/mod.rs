@@ -21,6 +21,7 @@ pub mod doctor;
 pub mod http;
 pub mod logging;
 pub mod metrics;
+pub mod swap;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
