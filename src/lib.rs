@@ -10,6 +10,7 @@
 //! which `ops` implements.
 
 pub mod app;
+pub mod atomic_file;
 pub mod backoff;
 pub mod config;
 pub mod containerd;

@@ -7,7 +7,6 @@
 //! crash leaves either the old or the new version.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
@@ -151,7 +150,7 @@ impl State {
         }
     }
 
-    /// Writes via a temp file and rename, so readers never see half a file.
+    /// Writes atomically ([`crate::atomic_file`]): readers never see half a file.
     pub fn save(&self, path: &Path) -> Result<(), StateError> {
         let err = |source| StateError::Write {
             path: path.into(),
@@ -160,18 +159,8 @@ impl State {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(err)?;
         }
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".tmp-{}", std::process::id()));
-        let tmp = PathBuf::from(tmp);
         let body = serde_json::to_vec_pretty(self).map_err(|e| err(e.into()))?;
-        let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        f.write_all(&body).map_err(err)?;
-        f.sync_all().map_err(err)?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            err(e)
-        })
+        crate::atomic_file::write(path, &body, 0o600).map_err(err)
     }
 
     /// Sources (other than `except`) in `ns` that still provide `name`.

@@ -11,7 +11,6 @@
 //! first change is rolled back before apply returns. [`rollback`] undoes it from whatever is left,
 //! [`status`] says which pieces are in place.
 
-mod atomic;
 mod containerd_config;
 mod dropins;
 mod state;
@@ -483,7 +482,7 @@ impl<'a> Swap<'a> {
         }
         if let Some((e, created)) = &plan.config {
             let shown = o.containerd_config.display();
-            atomic::write(&self.under(&o.containerd_config), e.text.as_bytes(), 0o644)
+            crate::atomic_file::write(&self.under(&o.containerd_config), e.text.as_bytes(), 0o644)
                 .with_context(|| format!("cannot write {shown}"))?;
             let real = o.real_socket.display();
             if *created {
@@ -504,7 +503,7 @@ impl<'a> Swap<'a> {
             }
         }
         for d in &plan.dropins {
-            atomic::write(&self.under(d.path), d.text.as_bytes(), 0o644)
+            crate::atomic_file::write(&self.under(d.path), d.text.as_bytes(), 0o644)
                 .with_context(|| format!("cannot write {}", d.path))?;
             report.push(format!("wrote {}", d.path));
         }
@@ -564,7 +563,7 @@ impl<'a> Swap<'a> {
                 let untouched = s.config_created
                     && s.config_written_sha256.as_deref() == Some(&state::sha256(now.as_bytes()));
                 if untouched {
-                    atomic::remove(&config_file)
+                    crate::atomic_file::remove(&config_file)
                         .with_context(|| format!("cannot remove {shown}"))?;
                     report.push(format!("removed {shown} (there was none before)"));
                 } else if let (Some(g), Some(t)) = (&s.grpc, &s.ttrpc) {
@@ -576,7 +575,7 @@ impl<'a> Swap<'a> {
                     )
                     .with_context(|| format!("containerd's config {shown}"))?;
                     if r.text != now {
-                        atomic::write(&config_file, r.text.as_bytes(), 0o644)
+                        crate::atomic_file::write(&config_file, r.text.as_bytes(), 0o644)
                             .with_context(|| format!("cannot write {shown}"))?;
                         report.push(format!("{shown}: {}", r.restored.join(", ")));
                     }
@@ -597,7 +596,7 @@ impl<'a> Swap<'a> {
                 if swapped {
                     let (new, changed) = containerd_config::reset(&now, real_s, default_s)
                         .with_context(|| format!("containerd's config {shown}"))?;
-                    atomic::write(&config_file, new.as_bytes(), 0o644)
+                    crate::atomic_file::write(&config_file, new.as_bytes(), 0o644)
                         .with_context(|| format!("cannot write {shown}"))?;
                     report.push(format!("{shown}: {}", changed.join(", ")));
                     report.warnings.push(format!(
@@ -612,7 +611,8 @@ impl<'a> Swap<'a> {
             let file = self.under(path);
             match read_optional(&file).with_context(|| format!("cannot read {path}"))? {
                 Some(t) if dropins::is_ours(&t) => {
-                    atomic::remove(&file).with_context(|| format!("cannot remove {path}"))?;
+                    crate::atomic_file::remove(&file)
+                        .with_context(|| format!("cannot remove {path}"))?;
                     report.push(format!("removed {path}"));
                 }
                 Some(_) => report
@@ -634,7 +634,8 @@ impl<'a> Swap<'a> {
         }
         let files_changed = report.changed;
         if state.is_some() {
-            atomic::remove(&state_path).with_context(|| format!("cannot remove {STATE_FILE}"))?;
+            crate::atomic_file::remove(&state_path)
+                .with_context(|| format!("cannot remove {STATE_FILE}"))?;
             report.push(format!("removed {STATE_FILE}"));
         }
 

@@ -23,7 +23,7 @@ impl Outage {
     /// A connection to containerd failed: the first failure of an outage
     /// is logged, the rest only counted.
     pub fn down(&self, upstream: &Path, error: &std::io::Error) {
-        let mut since = self.since.lock().unwrap_or_else(|e| e.into_inner());
+        let mut since = crate::lock::lock(&self.since);
         if since.is_none() {
             *since = Some(Instant::now());
             self.calls.store(0, Ordering::Relaxed);
@@ -38,7 +38,7 @@ impl Outage {
 
     /// containerd accepted a connection: ends the outage, if one is on.
     pub fn up(&self, upstream: &Path) {
-        let mut since = self.since.lock().unwrap_or_else(|e| e.into_inner());
+        let mut since = crate::lock::lock(&self.since);
         if let Some(t) = since.take() {
             let calls = self.calls.swap(0, Ordering::Relaxed);
             tracing::info!(upstream = %upstream.display(), down_for = ?t.elapsed(), unavailable_calls = calls, "containerd is back");

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::atomic;
 use super::containerd_config::Previous;
+use crate::atomic_file as atomic;
 
 /// Where the state file lives (under [`super::SwapOptions::root`]).
 pub const PATH: &str = "/var/lib/imgbridge/swap-state.toml";

@@ -1,5 +1,6 @@
-//! File writes that never leave half a file behind: containerd or systemd
-//! may read these files at any moment (a crash, a reboot, a concurrent
+//! File writes that never leave half a file behind (import state, the
+//! socket swap's files): containerd, systemd or the next imgbridge may read
+//! these files at any moment (a crash, a reboot, a concurrent
 //! `daemon-reload`). A temp file beside the target is written, fsynced and
 //! renamed over it, then the directory is fsynced so the rename survives a
 //! power cut. An existing file keeps its mode and owner (containerd's config
@@ -12,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 /// Replaces `path`'s content with `bytes`; a new file gets `mode`. A
 /// symlink is followed, so the file it names is replaced, not the link.
-pub(super) fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+pub fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let target = match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => fs::canonicalize(path)?,
         _ => path.to_path_buf(),
@@ -51,7 +52,7 @@ pub(super) fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
 }
 
 /// Removes `path`; `false` if it was not there.
-pub(super) fn remove(path: &Path) -> io::Result<bool> {
+pub fn remove(path: &Path) -> io::Result<bool> {
     match fs::remove_file(path) {
         Ok(()) => {
             if let Some(dir) = path.parent() {
