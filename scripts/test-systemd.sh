@@ -281,15 +281,17 @@ scenario_a() {
     active="$(unit_active imgbridge.socket)"
     svc="$(unit_active imgbridge.service)"
     note "after dpkg -i: imgbridge.socket is $enabled/$active, imgbridge.service $svc"
-    if [[ "$enabled" == enabled && "$active" == active ]]; then
-        note "the package enabled and started imgbridge.socket itself (maintainer scripts)"
-    else
-        note "the package left imgbridge.socket $enabled/$active: systemctl enable --now imgbridge.socket"
-    fi
+    # The package enables and starts both (packaging/debian/postinst), as
+    # Debian's daemons do.
+    check_eq "after dpkg -i: imgbridge.socket (enabled and started by the package)" "enabled/active" "$enabled/$active"
+    check_eq "after dpkg -i: imgbridge.service (started by the package)" active "$svc"
     out="$(in_out 'systemctl enable --now imgbridge.socket')" || { fail "systemctl enable --now imgbridge.socket: $out"; return; }
     check_eq "imgbridge.socket after enable --now" "enabled/active" \
         "$(unit_prop imgbridge.socket UnitFileState)/$(unit_active imgbridge.socket)"
-    check_eq "imgbridge.service before any client (socket activation)" inactive "$(unit_active imgbridge.service)"
+    # Socket activation: with the service stopped, the socket stays bound
+    # and the first client starts it.
+    out="$(in_out 'systemctl stop imgbridge.service')" || fail "systemctl stop imgbridge.service: $out"
+    check_eq "imgbridge.service stopped, before any client (socket activation)" inactive "$(unit_active imgbridge.service)"
     if nspawn_run 'test -S /run/imgbridge/containerd.sock'; then
         ok "/run/imgbridge/containerd.sock exists (bound by systemd)"
     else

@@ -607,9 +607,16 @@ impl<'a> Swap<'a> {
             (None, None) => {}
         }
 
+        // With systemctl, the socket's drop-in goes only once containerd is
+        // back on the default path (see `systemd::ROLLBACK`).
+        let restarting = self.host.is_some() && restart != Restart::Never;
+        let mut socket_dropin = None;
         for path in [dropins::SOCKET, dropins::SERVICE, dropins::KUBELET] {
             let file = self.under(path);
             match read_optional(&file).with_context(|| format!("cannot read {path}"))? {
+                Some(t) if dropins::is_ours(&t) && restarting && path == dropins::SOCKET => {
+                    socket_dropin = Some(file);
+                }
                 Some(t) if dropins::is_ours(&t) => {
                     crate::atomic_file::remove(&file)
                         .with_context(|| format!("cannot remove {path}"))?;
@@ -648,12 +655,20 @@ impl<'a> Swap<'a> {
             (Some(h), _) => {
                 let needed = restart == Restart::Always
                     || files_changed
+                    || socket_dropin.is_some()
                     || systemd::check_rolled_back(h, default).is_err();
                 if needed {
                     // containerd back on its socket is what counts: a step
                     // that failed (imgbridge.service at its start limit) is
                     // a warning once that holds.
-                    let ran = systemd::run(h, systemd::ROLLBACK, &mut report.lines);
+                    let mut ran = systemd::run(h, systemd::ROLLBACK, &mut report.lines);
+                    if let Some(file) = socket_dropin.take() {
+                        crate::atomic_file::remove(&file)
+                            .with_context(|| format!("cannot remove {}", dropins::SOCKET))?;
+                        report.push(format!("removed {}", dropins::SOCKET));
+                        let then = systemd::run(h, systemd::ROLLBACK_SOCKET, &mut report.lines);
+                        ran = ran.and(then);
+                    }
                     let v = systemd::wait_rolled_back(h, default, self.deadline);
                     match (ran, v) {
                         (ran, Ok(v)) => {
@@ -1188,7 +1203,10 @@ mod tests {
                 }
                 ["restart", units @ ..] => {
                     if units.contains(&"containerd.service") {
-                        self.containerd_real.set(self.loaded.get() && self.comes_up);
+                        // containerd listens where its config says.
+                        let moved = std::fs::read_to_string(under(&self.root, Path::new(CONFIG)))
+                            .is_ok_and(|t| t.contains(REAL));
+                        self.containerd_real.set(moved && self.comes_up);
                     }
                     if units.contains(&"imgbridge.socket") {
                         self.socket_default.set(self.loaded.get());
@@ -1284,7 +1302,9 @@ mod tests {
             fake.changes(),
             [
                 "daemon-reload",
-                "restart containerd.service imgbridge.service"
+                "restart containerd.service imgbridge.service",
+                "daemon-reload",
+                "restart imgbridge.service"
             ]
         );
         assert!(
@@ -1332,7 +1352,9 @@ mod tests {
                 "restart containerd.service",
                 "restart imgbridge.socket",
                 "daemon-reload",
-                "restart containerd.service imgbridge.service"
+                "restart containerd.service imgbridge.service",
+                "daemon-reload",
+                "restart imgbridge.service"
             ]
         );
         assert_eq!(tree(&o.root), before);

@@ -43,16 +43,24 @@ pub(super) const APPLY: &[&[&str]] = &[
     &["restart", "imgbridge.socket"],
 ];
 
-/// Each `systemctl` invocation of rollback, in order. The socket keeps
-/// running: after the reload systemd closes its descriptor for the default
-/// path (no longer listed), and containerd replaces the stale node (it
-/// unlinks before it binds, containerd's pkg/sys/socket_unix.go), so
-/// builders on imgbridge's own socket keep queueing through it. Measured as
-/// above: 6 of 6 runs ended right, the default path missing for 0.05-0.24 s.
+/// Each `systemctl` invocation of rollback, in order, with the socket's
+/// drop-in still in place: containerd comes back on the default path (it
+/// unlinks the socket's node and binds its own, containerd's
+/// pkg/sys/socket_unix.go) while imgbridge.socket still holds its
+/// descriptor, so calls queued there are served by the restarted imgbridge
+/// (its upstream the default path again) and none is refused. Reloading
+/// with the socket's drop-in gone first closed the default path's
+/// descriptor while its node stayed: 1 of 12 calls refused.
 pub(super) const ROLLBACK: &[&[&str]] = &[
     &["daemon-reload"],
     &["restart", "containerd.service", "imgbridge.service"],
 ];
+
+/// Then, the socket's drop-in removed: systemd closes its (now unreachable)
+/// descriptor for the default path, and imgbridge restarts without it;
+/// builders' calls wait in imgbridge.socket's backlog meanwhile.
+pub(super) const ROLLBACK_SOCKET: &[&[&str]] =
+    &[&["daemon-reload"], &["restart", "imgbridge.service"]];
 
 /// How often a check is repeated while waiting, at most.
 const POLL_MAX: Duration = Duration::from_millis(500);
