@@ -90,6 +90,7 @@ warm_if "containerds" compgen -G "$cache/containerd/v2.*-*/bin/containerd"
 warm_if "cargo-registry" test -d "${CARGO_HOME:-$HOME/.cargo}/registry/cache"
 warm_if "cargo-target" test -d "${CARGO_TARGET_DIR:-target}/debug/deps"
 warm_if "cargo-tools" compgen -G "$tools/cargo-deb-*/bin/cargo-deb"
+warm_if "debian-roots" test -d "$cache/debian-root/bookworm" -a -d "$cache/debian-root/bookworm-openrc"
 
 # Disk: a run writes about 5 GiB (target/, then a few hundred MiB of
 # images under TMPDIR at a time); a fresh machine adds about 9 GiB of Go
@@ -121,7 +122,8 @@ for bin in "${needed_bins[@]}"; do
 done
 [[ -x /bin/busybox ]] || missing+=(/bin/busybox)
 # yq/jq: the chart test; musl-gcc/file/objcopy: the static release binary.
-for bin in yq jq musl-gcc file objcopy; do
+# debootstrap/systemd-nspawn: the systemd stage's Debian root.
+for bin in yq jq musl-gcc file objcopy debootstrap systemd-nspawn; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
 
@@ -134,7 +136,7 @@ else
     apt-get install -y --no-install-recommends \
         containerd runc protobuf-compiler skopeo umoci busybox-static \
         docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev \
-        yq jq musl-tools file binutils
+        yq jq musl-tools file binutils debootstrap systemd-container
 fi
 stage_done "apt" "$stage_start"
 
@@ -160,9 +162,11 @@ mkdir -p "$out"
 
 # Background jobs die with the run; the table is printed however it ends.
 go_pid=""
+root_pid=""
 finish() {
     local rc=$?
     [[ -z "$go_pid" ]] || kill "$go_pid" 2>/dev/null || true
+    [[ -z "$root_pid" ]] || kill "$root_pid" 2>/dev/null || true
     timing_table
     if [[ -n "${cold_root:-}" && "${cold_keep:-1}" == 0 ]]; then
         chmod -R u+w "$cold_root" 2>/dev/null || true # Go's module cache is read-only
@@ -204,6 +208,16 @@ go_start=$SECONDS
 echo "==> Go lane (background, log: $out/go-lane.log): containerds, peers, cargo tools"
 go_lane >"$out/go-lane.log" 2>&1 &
 go_pid=$!
+# The systemd stage's Debian root (debootstrap: network and disk, hardly
+# any CPU), cached like the peers, in a lane of its own: it is waited for
+# only by the systemd stage, at the end.
+root_pid=""
+if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
+    (s=$SECONDS; scripts/test-systemd.sh --prepare-root && scripts/test-openrc.sh --prepare-root &&
+        echo "debian roots (systemd, OpenRC): $((SECONDS - s)) s") \
+        >"$out/debian-root.log" 2>&1 &
+    root_pid=$!
+fi
 
 # --------------------------------------------------------------- cargo lane
 # --all / --workspace: the test harness (tests/support) is a crate of its own.
@@ -411,4 +425,21 @@ else
     stage_start=$SECONDS
     scripts/test-packaging.sh
     stage_done "packaging" "$stage_start"
+    # The .deb just built, under a real systemd (a Debian root booted by
+    # systemd-nspawn): socket activation, restarts under a client loop,
+    # the socket swap and a reboot, upgrade, remove, purge.
+    echo "==> scripts/test-systemd.sh"
+    stage_start=$SECONDS
+    wait "$root_pid" || { cat "$out/debian-root.log"; echo "scripts/test.sh: building the Debian root failed" >&2; exit 1; }
+    root_pid=""
+    tail -n1 "$out/debian-root.log"
+    version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
+    scripts/test-systemd.sh "dist/imgbridge_${version}-1_amd64.deb"
+    stage_done "systemd (nspawn)" "$stage_start"
+    # The OpenRC script under Debian's OpenRC as PID 1 (Rancher Desktop's
+    # init), the static binary just built.
+    echo "==> scripts/test-openrc.sh"
+    stage_start=$SECONDS
+    scripts/test-openrc.sh
+    stage_done "OpenRC (nspawn)" "$stage_start"
 fi
