@@ -48,6 +48,10 @@ die() { log "ERROR: $*"; exit 1; }
 # Go peer pins and builds, temp dirs renamed into the cache when complete.
 # shellcheck source=scripts/lib/gobuild.sh
 . "$repo_root/scripts/lib/gobuild.sh"
+# debian_mirror: the Debian mirror this machine's apt uses (no host name is
+# written into the repo).
+# shellcheck source=scripts/lib/debian-mirror.sh
+. "$repo_root/scripts/lib/debian-mirror.sh"
 
 # Runs the three binaries; fails unless `containerd --version` reports
 # $2 (an upstream version prefix). Prints that version field.
@@ -88,49 +92,6 @@ fetch_system() { # label: the Debian package installed on this machine
 }
 
 # ---------------------------------------------------------- 1.7/2.1 Debian
-
-# The mirror this machine already uses for Debian, so no host name is written
-# into the repo. Looks for the stanza/line of the machine's own release
-# (bookworm), which is the main archive, not debian-security.
-debian_mirror() {
-    if [[ -n "${IMGBRIDGE_DEBIAN_MIRROR:-}" ]]; then
-        echo "$IMGBRIDGE_DEBIAN_MIRROR"
-        return
-    fi
-    local codename uri f
-    # shellcheck disable=SC1091
-    codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")"
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -f "$f" ]] || continue
-        # deb822: paragraphs; take URIs of the first "deb" stanza whose
-        # Suites list contains the codename itself.
-        uri="$(awk -v cn="$codename" 'BEGIN { RS = ""; FS = "\n" }
-            {
-                types = ""; suites = ""; uris = ""
-                for (i = 1; i <= NF; i++) {
-                    if ($i ~ /^Types:/)  types = " " substr($i, 7) " "
-                    if ($i ~ /^Suites:/) suites = " " substr($i, 8) " "
-                    if ($i ~ /^URIs:/)   uris = substr($i, 6)
-                }
-                gsub(/[ \t]+/, " ", types); gsub(/[ \t]+/, " ", suites)
-                if (types ~ / deb / && suites ~ (" " cn " ")) {
-                    split(uris, u, " "); print u[1]; exit
-                }
-            }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return; }
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -f "$f" ]] || continue
-        # one-line format: deb [options] URI suite components...
-        uri="$(awk -v cn="$codename" '$1 == "deb" {
-                i = 2
-                if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-                if ($(i + 1) == cn) { print $i; exit }
-            }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return; }
-    done
-    return 1
-}
 
 # A private apt setup per suite: own sources, lists, cache and an empty dpkg
 # status, so the system's apt state and sources are never touched. The

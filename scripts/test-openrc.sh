@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # packaging/openrc/imgbridge (+ imgbridge.confd) under a real OpenRC: a
 # Debian bookworm root with Debian's openrc 0.45 on sysvinit's /sbin/init,
-# booted as PID 1 with systemd-nspawn --boot (cgroup v1 host recipe of
-# docs/systemd-tests.md), Debian's containerd
+# booted as PID 1 with systemd-nspawn --boot (scripts/lib/nspawn.sh, the
+# recipe of docs/systemd-tests.md), Debian's containerd
 # 1.6 as the runtime (started by a small OpenRC script written here: Debian
 # ships only a systemd unit for it). Alpine (Rancher Desktop) packages are
 # not reachable from here; Debian's OpenRC is the same upstream code.
@@ -34,7 +34,7 @@
 # Environment: IMGBRIDGE_CACHE (default /var/cache/imgbridge-test; the root is
 # $IMGBRIDGE_CACHE/debian-root/bookworm-openrc), IMGBRIDGE_DEBIAN_MIRROR
 # (default: the machine's own, from /etc/apt; no host name is written here),
-# IMGBRIDGE_TEST_KEEP=1 (keep the work dir), IMGBRIDGE_OPENRC_SCRIPT and
+# IMGBRIDGE_TEST_KEEP=1 (keep the per-run dir), IMGBRIDGE_OPENRC_SCRIPT and
 # IMGBRIDGE_OPENRC_CONFD (another script / conf.d to test, e.g. a candidate
 # fix), IMGBRIDGE_OPENRC_NO_LOCALMOUNT=1 (no localmount stand-in: see below).
 set -uo pipefail
@@ -47,54 +47,37 @@ if [[ "$(id -u)" -ne 0 ]]; then
     exit 2
 fi
 
+# shellcheck source=scripts/lib/nspawn.sh
+source scripts/lib/nspawn.sh
+# ok/fail/note, timed, report_summary
+# shellcheck source=scripts/lib/report.sh
+source scripts/lib/report.sh
+current="setup"
+
+# OpenRC on sysvinit as the container's init (scripts/lib/nspawn.sh's
+# settings). Booted: sysvinit runs `openrc sysinit`, then `openrc default`
+# (/etc/init.d/rc 2); done once softlevel says default and no openrc process
+# is left. Shut down with telinit 0.
+# shellcheck disable=SC2016 # (expanded inside)
+NSPAWN_READY='[[ "$(cat /run/openrc/softlevel 2>/dev/null)" == default ]] && ! pgrep -x openrc'
+NSPAWN_DIAG='rc-status --all'
+NSPAWN_POWEROFF='/sbin/telinit 0'
+# Its machine name, cgroups and per-run dir: imgbridge-openrc-PID.
+NSPAWN_CGROUP_PREFIX=""
+# rc-service and friends: no colours, no terminal queries.
+NSPAWN_RUN_ENV=(TERM=dumb)
+NSPAWN_KEEP="${NSPAWN_KEEP:-${IMGBRIDGE_TEST_KEEP:-0}}"
+
 RELEASE=bookworm
 # debootstrap cannot install openrc directly (sysvinit-core's first
 # alternative, sysv-rc, conflicts with it): apt-get installs it afterwards.
 DEBOOTSTRAP_PACKAGES="containerd,runc,procps"
 APT_PACKAGES="openrc sysvinit-core"
 ROOT_RECIPE=1
-IN_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-cache_dir="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}/debian-root"
+cache_dir="$(_nspawn_cache_dir)"
 cached_root="$cache_dir/$RELEASE-openrc"
 
-run_start=$SECONDS
-timings=()
-timed() { timings+=("$1 $((SECONDS - $2))s"); }
-
-passed=0
-failed=0
-failures=()
-current="setup"
-ok() { passed=$((passed + 1)); echo "ok   [$current] $*"; }
-fail() { failed=$((failed + 1)); failures+=("[$current] $1"); echo "FAIL [$current] $*"; }
-note() { echo "     [$current] $*"; }
-
 # --------------------------------------------------------------- the root
-mirror() {
-    if [[ -n "${IMGBRIDGE_DEBIAN_MIRROR:-}" ]]; then echo "$IMGBRIDGE_DEBIAN_MIRROR"; return 0; fi
-    local f uri
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -f "$f" ]] || continue
-        uri="$(awk -v cn="$RELEASE" 'BEGIN { RS = ""; FS = "\n" }
-            { types = ""; suites = ""; uris = ""
-              for (i = 1; i <= NF; i++) {
-                  if ($i ~ /^Types:/)  types = " " substr($i, 7) " "
-                  if ($i ~ /^Suites:/) suites = " " substr($i, 8) " "
-                  if ($i ~ /^URIs:/)   uris = substr($i, 6)
-              }
-              gsub(/[ \t]+/, " ", types); gsub(/[ \t]+/, " ", suites)
-              if (types ~ / deb / && suites ~ (" " cn " ")) { split(uris, u, " "); print u[1]; exit } }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return 0; }
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -f "$f" ]] || continue
-        uri="$(awk -v cn="$RELEASE" '$1 == "deb" { i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-            if ($(i + 1) == cn) { print $i; exit } }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return 0; }
-    done
-    return 1
-}
-
 stamp() { printf 'release=%s\ndebootstrap=%s\napt=%s\nrecipe=%s\n' "$RELEASE" "$DEBOOTSTRAP_PACKAGES" "$APT_PACKAGES" "$ROOT_RECIPE"; }
 
 # The post-processing of a fresh root (also the recipe ROOT_RECIPE versions).
@@ -114,17 +97,12 @@ root_cached() {
     if [[ -f "$cached_root/.imgbridge-root" && "$(cat "$cached_root/.imgbridge-root")" == "$(stamp)" ]]; then
         return 0
     fi
-    command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || {
-        echo "== apt-get install debootstrap systemd-container"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap systemd-container >/dev/null ||
-            { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap systemd-container >/dev/null; } ||
-            return 1
-    }
+    nspawn_tools || return 1
     mkdir -p "$cache_dir"
     (
         flock 9
         if [[ -f "$cached_root/.imgbridge-root" && "$(cat "$cached_root/.imgbridge-root")" == "$(stamp)" ]]; then exit 0; fi
-        m="$(mirror)" || { echo "no Debian mirror in /etc/apt (set IMGBRIDGE_DEBIAN_MIRROR)" >&2; exit 1; }
+        m="$(debian_mirror "$RELEASE")" || { echo "no Debian mirror in /etc/apt (set IMGBRIDGE_DEBIAN_MIRROR)" >&2; exit 1; }
         rm -rf "$cache_dir"/.build-openrc.* "$cache_dir"/.old-openrc.*
         tmp="$(mktemp -d "$cache_dir/.build-openrc.XXXXXX")"
         build_tmp="$tmp"
@@ -138,7 +116,7 @@ root_cached() {
         chmod 0755 "$tmp/usr/sbin/policy-rc.d"
         cp -L /etc/resolv.conf "$tmp/etc/resolv.conf"
         # shellcheck disable=SC2086
-        if ! chroot "$tmp" env -i PATH="$IN_PATH" DEBIAN_FRONTEND=noninteractive \
+        if ! chroot "$tmp" env -i PATH="$NSPAWN_PATH" DEBIAN_FRONTEND=noninteractive \
             apt-get install -y --no-install-recommends $APT_PACKAGES >>"$tmp.log" 2>&1; then
             tail -n 30 "$tmp.log" >&2; echo "apt-get install $APT_PACKAGES failed" >&2; exit 1
         fi
@@ -172,35 +150,12 @@ fi
 echo "== binary: $bin"
 
 # ---------------------------------------------------- the container's life
-work="$(mktemp -d /tmp/imgbridge-openrc.XXXXXX)"
-ROOT="$work/root"
-overlay=0
-nspawn_pid=""
-pid1=""
-cgroups=()
-
+# scripts/lib/nspawn.sh: an overlay per run, cgroups of its own, stopped
+# (telinit 0, killed after 60 s) and removed on exit.
 cleanup() {
-    local rc=$? cg p deadline
+    local rc=$?
     trap - EXIT INT TERM
-    stop_container
-    for cg in "${cgroups[@]}"; do
-        [[ -d "$cg" ]] || continue
-        # shellcheck disable=SC2044 # pids, one a line
-        for p in $(find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
-        deadline=$((SECONDS + 10))
-        until find "$cg" -depth -type d -exec rmdir {} + 2>/dev/null; [[ ! -d "$cg" ]]; do
-            ((SECONDS < deadline)) || { echo "cannot remove cgroup $cg" >&2; break; }
-            sleep 0.1
-        done
-    done
-    if ((overlay)); then umount "$ROOT" 2>/dev/null || umount -l "$ROOT" 2>/dev/null || true; fi
-    if grep -qF " $work" /proc/self/mountinfo; then
-        echo "mounts left under $work: not removing it" >&2
-    elif [[ "${IMGBRIDGE_TEST_KEEP:-0}" == 1 ]]; then
-        echo "kept $work"
-    else
-        rm -rf --one-file-system "$work"
-    fi
+    nspawn_stop
     exit "$rc"
 }
 trap cleanup EXIT
@@ -208,41 +163,20 @@ trap 'echo "interrupted" >&2; exit 130' INT
 trap 'exit 143' TERM
 
 # inside CMD: bash -c CMD inside the container, clean environment.
-inside() { nsenter -t "$pid1" -a -- env -i PATH="$IN_PATH" HOME=/root LANG=C.UTF-8 TERM=dumb bash -c "$*"; }
-poll_inside() { # SECONDS CMD
-    local deadline=$((SECONDS + $1))
-    until inside "$2" >/dev/null 2>&1; do ((SECONDS < deadline)) || return 1; sleep 0.1; done
-}
+inside() { nspawn_run "$@"; }
 oneline() { tr -s '\n\t ' '   ' <<<"$1"; }
-alive() { [[ -n "$nspawn_pid" ]] && kill -0 "$nspawn_pid" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$nspawn_pid/stat" 2>/dev/null)" != Z ]]; }
-wait_exit() { # SECONDS
-    local deadline=$((SECONDS + $1))
-    while alive; do ((SECONDS < deadline)) || return 1; sleep 0.1; done
-    wait "$nspawn_pid" 2>/dev/null
-    nspawn_exit=$?
-    return 0
+# run_shown CMD: CMD inside; its output in $out and shown indented, its exit
+# status in $rc.
+run_shown() {
+    out="$(inside "$1" 2>&1)"
+    rc=$?
+    echo "$out" | sed 's/^/     | /'
 }
-stop_container() {
-    [[ -n "$nspawn_pid" ]] || return 0
-    if alive; then
-        [[ -z "$pid1" ]] || timeout 10 nsenter -t "$pid1" -a -- /sbin/telinit 0 >/dev/null 2>&1 || true
-        if ! wait_exit 60; then
-            echo "no shutdown within 60 s: killing the container" >&2
-            [[ -z "$pid1" ]] || kill -KILL "$pid1" 2>/dev/null || true
-            kill -KILL "$nspawn_pid" 2>/dev/null || true
-            wait_exit 10 || true
-        fi
-    fi
-    nspawn_pid=""
-    pid1=""
-}
-
-find_pid1() {
-    local c
-    for c in $(cat "/proc/$nspawn_pid/task/$nspawn_pid/children" 2>/dev/null); do
-        if [[ "$(readlink "/proc/$c/ns/pid")" != "$(readlink /proc/self/ns/pid)" ]]; then echo "$c"; return 0; fi
-    done
-    return 1
+# rc_service ACTION: rc-service imgbridge ACTION, shown; ok if it exits 0.
+rc_service() {
+    local t=$SECONDS
+    run_shown "rc-service imgbridge $1"
+    ((rc == 0)) && ok "rc-service imgbridge $1: exit 0 ($((SECONDS - t)) s)" || fail "rc-service imgbridge $1: exit $rc"
 }
 
 # ------------------------------------------------------------- fixtures
@@ -265,12 +199,9 @@ root_cached || { fail "building the cached root"; exit 1; }
 timed "root" "$s"
 
 # The per-run root: an overlay on the cached one (a copy if it will not mount).
-mkdir -p "$ROOT" "$work/upper" "$work/ovl-work"
-if mount -t overlay overlay -o "lowerdir=$cached_root,upperdir=$work/upper,workdir=$work/ovl-work" "$ROOT" 2>/dev/null; then
-    overlay=1
-else
-    cp -a --reflink=auto "$cached_root/." "$ROOT/" || { fail "copying the root"; exit 1; }
-fi
+nspawn_prepare "imgbridge-openrc-$$" "$cached_root" || { fail "preparing the per-run root"; exit 1; }
+ROOT="$NSPAWN_ROOT"
+console="$NSPAWN_DIR/nspawn.log"
 
 # Installed as the header of packaging/openrc/imgbridge says.
 install -m 0755 "$bin" "$ROOT/usr/local/bin/imgbridge"
@@ -296,68 +227,33 @@ if [[ "${IMGBRIDGE_OPENRC_NO_LOCALMOUNT:-0}" != 1 ]]; then
 fi
 
 # ------------------------------------------------------------------ boot
-# boot: nspawn --boot on $ROOT (sysvinit as PID 1, which runs OpenRC), in a
-# name=systemd cgroup of its own; returns once OpenRC reached "default".
+# boot: nspawn --boot on $ROOT (sysvinit as PID 1, which runs OpenRC);
+# returns once OpenRC reached "default" (NSPAWN_READY).
 boot() {
-    local h deadline booted=0
-    local -a env_nspawn=()
-    cgroups=()
-    if [[ "$(stat -fc %T /sys/fs/cgroup)" == cgroup2fs ]]; then
-        cgroups+=("/sys/fs/cgroup/imgbridge-openrc-$$")
-    else
-        env_nspawn+=(SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=0)
-        for h in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified; do
-            mountpoint -q "$h" && cgroups+=("$h/imgbridge-openrc-$$")
-        done
-    fi
-    for h in "${cgroups[@]}"; do mkdir -p "$h"; done
-    # shellcheck disable=SC2016
-    env "${env_nspawn[@]}" bash -c 'for cg; do [[ $cg == -- ]] && break; echo $$ >"$cg/cgroup.procs" || exit 1; done
-            while [[ $1 != -- ]]; do shift; done; shift
-            exec setsid "$@"' nspawn "${cgroups[@]}" -- \
-        systemd-nspawn -D "$ROOT" --boot --register=no --keep-unit --private-network \
-        -M "imgbridge-openrc-$$" --console=read-only </dev/null >>"$work/nspawn.log" 2>&1 &
-    nspawn_pid=$!
-    pid1=""
-    deadline=$((SECONDS + 120))
-    while alive && ((SECONDS < deadline)); do
-        [[ -n "$pid1" ]] || pid1="$(find_pid1)" || pid1=""
-        # sysvinit runs `openrc sysinit`, then `openrc default` (/etc/init.d/rc 2):
-        # booted once softlevel says default and no openrc process is left.
-        if [[ -n "$pid1" ]] && inside '[[ "$(cat /run/openrc/softlevel 2>/dev/null)" == default ]] && ! pgrep -x openrc' >/dev/null 2>&1; then
-            booted=1
-            break
-        fi
-        sleep 0.2
-    done
-    if ((booted == 0)); then
-        tail -n 40 "$work/nspawn.log" | sed 's/^/     nspawn: /'
-        fail "OpenRC did not reach the default runlevel within 120 s (nspawn alive: $(alive && echo yes || echo no))"
-        return 1
-    fi
+    nspawn_start && return 0
+    fail "OpenRC did not reach the default runlevel within ${NSPAWN_BOOT_TIMEOUT:-120} s (console above)"
+    return 1
 }
 
 current="boot"
 s=$SECONDS
 boot || exit 1
 timed "boot" "$s"
-ok "PID 1 is $(inside 'cat /proc/1/comm') (host pid $pid1), OpenRC $(inside 'openrc --version | head -n1 | sed "s/.*(OpenRC) //"') reached runlevel '$(inside 'rc-status -r')' in $((SECONDS - s)) s"
+ok "PID 1 is $(inside 'cat /proc/1/comm') (host pid $NSPAWN_PID), OpenRC $(inside 'openrc --version | head -n1 | sed "s/.*(OpenRC) //"') reached runlevel '$(inside 'rc-status -r')' in $((SECONDS - s)) s"
 note "rc_sys (openrc --sys): '$(inside 'openrc --sys' 2>&1)'"
-if poll_inside 30 'ctr -a /run/containerd/containerd.sock version'; then
+if nspawn_poll 30 'ctr -a /run/containerd/containerd.sock version'; then
     ok "containerd (OpenRC fixture) answers on /run/containerd/containerd.sock"
 else
     fail "containerd: no answer within 30 s: $(inside 'rc-service containerd status; tail -n5 /var/log/containerd.log' 2>&1 | tr '\n' ' ')"
 fi
 
 imgbridge_pid() { inside 'pgrep -x imgbridge' 2>/dev/null | head -n1; }
-ctr_ok() { poll_inside "$1" 'ctr --address /run/imgbridge/containerd.sock version'; }
+ctr_ok() { nspawn_poll "$1" 'ctr --address /run/imgbridge/containerd.sock version'; }
 
 # ----------------------------------------------------------------- start
 current="start"
 s=$SECONDS
-out="$(inside 'rc-update add imgbridge default && rc-service imgbridge start' 2>&1)"
-rc=$?
-echo "$out" | sed 's/^/     | /'
+run_shown 'rc-update add imgbridge default && rc-service imgbridge start'
 if ((rc == 0)); then ok "rc-update add imgbridge default && rc-service imgbridge start: exit 0"; else fail "rc-update add + rc-service imgbridge start: exit $rc"; fi
 timed "start" "$s"
 
@@ -397,10 +293,7 @@ note "socket: $(inside 'ls -l /run/imgbridge/containerd.sock' 2>&1)"
 # --------------------------------------------------------------- restart
 current="restart"
 s=$SECONDS
-out="$(inside 'rc-service imgbridge restart' 2>&1)"
-rc=$?
-echo "$out" | sed 's/^/     | /'
-((rc == 0)) && ok "rc-service imgbridge restart: exit 0 ($((SECONDS - s)) s)" || fail "rc-service imgbridge restart: exit $rc"
+rc_service restart
 p2="$(imgbridge_pid)"
 if [[ -n "$p2" && "$p2" != "$p1" ]]; then ok "new pid $p2 (was $p1)"; else fail "pid after restart '$p2' (before: $p1)"; fi
 if ctr_ok 20; then ok "ctr works again after restart"; else fail "ctr after restart: $(inside 'ctr --address /run/imgbridge/containerd.sock version' 2>&1 | tail -n1)"; fi
@@ -432,10 +325,7 @@ timed "sigkill" "$s"
 # ------------------------------------------------------------------ stop
 current="stop"
 s=$SECONDS
-out="$(inside 'rc-service imgbridge stop' 2>&1)"
-rc=$?
-echo "$out" | sed 's/^/     | /'
-((rc == 0)) && ok "rc-service imgbridge stop: exit 0 ($((SECONDS - s)) s)" || fail "rc-service imgbridge stop: exit $rc"
+rc_service stop
 out="$(inside 'rc-service imgbridge status' 2>&1)"
 [[ "$out" == *stopped* ]] && ok "status: $(oneline "$out")" || fail "status after stop: $(oneline "$out")"
 left="$(imgbridge_pid)"
@@ -458,9 +348,7 @@ rc=$?
 # either way the proxy must answer afterwards.
 current="containerd-restart"
 pa="$(imgbridge_pid)"
-out="$(inside 'rc-service containerd restart' 2>&1)"
-rc=$?
-echo "$out" | sed 's/^/     | /'
+run_shown 'rc-service containerd restart'
 pb="$(imgbridge_pid)"
 note "imgbridge pid $pa -> $pb ($([[ "$pa" == "$pb" ]] && echo 'left running' || echo 'restarted with containerd'))"
 if ((rc == 0)) && ctr_ok 20; then ok "ctr through imgbridge after rc-service containerd restart"; else fail "after containerd restart (exit $rc): $(inside 'ctr --address /run/imgbridge/containerd.sock version' 2>&1 | tail -n1)"; fi
@@ -471,9 +359,7 @@ current="no-upstream"
 # --nodeps: else OpenRC starts containerd first (`use containerd`, and it is
 # in the runlevel), which is what `rc-service imgbridge start` does.
 inside 'rc-service imgbridge stop; rc-service containerd stop' >/dev/null 2>&1
-out="$(inside '/etc/init.d/imgbridge --nodeps start' 2>&1)"
-rc=$?
-echo "$out" | sed 's/^/     | /'
+run_shown '/etc/init.d/imgbridge --nodeps start'
 pa="$(imgbridge_pid)"
 sleep 5
 pb="$(imgbridge_pid)"
@@ -514,9 +400,7 @@ if [[ -n "$sp" ]]; then
     sleep 1
     st="$(oneline "$(inside 'rc-service imgbridge status' 2>&1)")"; rc=$?
     note "supervise-daemon (pid $sp) SIGKILLed: status '$st'; imgbridge pid $pa now '$(imgbridge_pid)' (orphaned, unsupervised)"
-    out="$(inside 'rc-service imgbridge restart' 2>&1)"
-    rc=$?
-    echo "$out" | sed 's/^/     | /'
+    run_shown 'rc-service imgbridge restart'
     pb="$(imgbridge_pid)"
     note "after rc-service imgbridge restart: exit $rc, imgbridge pids now '$(oneline "$(inside 'pgrep -x imgbridge' 2>&1)")'"
     sleep 3
@@ -547,31 +431,29 @@ inside 'tail -n 8 /var/log/imgbridge.log' 2>&1 | cut -c1-200 | sed 's/^/     log
 current="shutdown"
 s=$SECONDS
 inside '/sbin/telinit 0' >/dev/null 2>&1
-if wait_exit 60; then
-    ok "telinit 0: the container exited in $((SECONDS - s)) s (nspawn exit $nspawn_exit)"
-    nspawn_pid=""
-    pid1=""
-    if grep -q 'Stopping imgbridge' "$work/nspawn.log"; then ok "imgbridge stopped at shutdown (console)"; else note "no 'Stopping imgbridge' on the console"; fi
+if nspawn_wait_exit 60; then
+    ok "telinit 0: the container exited in $((SECONDS - s)) s (nspawn exit $NSPAWN_LAST_EXIT)"
+    if grep -q 'Stopping imgbridge' "$console"; then ok "imgbridge stopped at shutdown (console)"; else note "no 'Stopping imgbridge' on the console"; fi
     if [[ -e "$ROOT/run/imgbridge/containerd.sock" ]]; then note "socket file still in the root's /run (a tmpfs of the container: gone anyway)"; fi
 else
     fail "telinit 0: the container still runs after 60 s"
 fi
 timed "shutdown" "$s"
-grep -E 'imgbridge|containerd|ERROR|WARN' "$work/nspawn.log" | tail -n 20 | sed 's/^/     console: /'
+grep -E 'imgbridge|containerd|ERROR|WARN' "$console" | tail -n 20 | sed 's/^/     console: /'
 
 # ---------------------------------------------------------------- reboot
 # imgbridge is in the default runlevel now: OpenRC starts it at boot, after
 # containerd (`after containerd`).
 current="reboot"
-if [[ -z "$nspawn_pid" ]]; then
+if [[ -z "$NSPAWN_PID" ]]; then
     s=$SECONDS
-    : >"$work/nspawn.log"
+    : >"$console"
     if boot; then
         ok "booted again in $((SECONDS - s)) s"
         st="$(oneline "$(inside 'rc-service imgbridge status' 2>&1)")"
         [[ "$st" == *started* ]] && ok "imgbridge started at boot by the default runlevel: $st" || fail "imgbridge at boot: $st"
         ctr_ok 20 && ok "ctr through imgbridge after boot" || fail "ctr after boot: $(inside 'ctr --address /run/imgbridge/containerd.sock version' 2>&1 | tail -n1)"
-        order="$(grep -oE 'Starting (containerd|imgbridge)' "$work/nspawn.log" | awk '{print $2}' | tr '\n' ' ')"
+        order="$(grep -oE 'Starting (containerd|imgbridge)' "$console" | awk '{print $2}' | tr '\n' ' ')"
         [[ "$order" == "containerd imgbridge "* ]] && ok "boot order: $order" || fail "boot order: '$order' (expected containerd before imgbridge)"
     fi
     timed "reboot" "$s"
@@ -579,7 +461,4 @@ fi
 
 # --------------------------------------------------------------- summary
 echo
-echo "== $passed ok, $failed FAIL"
-for f in "${failures[@]}"; do echo "   FAIL $f"; done
-echo "== timings: ${timings[*]} total $((SECONDS - run_start))s"
-((failed == 0))
+report_summary

@@ -33,17 +33,14 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root" || exit 2
 # shellcheck source=scripts/lib/nspawn.sh
 source scripts/lib/nspawn.sh
+# ok/fail/note/check_eq, timed, report_summary
+# shellcheck source=scripts/lib/report.sh
+source scripts/lib/report.sh
 
 if [[ "$(id -u)" -ne 0 ]]; then
     echo "scripts/test-systemd.sh: must run as root (systemd-nspawn)" >&2
     exit 2
 fi
-
-run_start=$SECONDS
-timings=()
-timed() { # label start
-    timings+=("$1 $((SECONDS - $2))s")
-}
 
 if [[ "${1:-}" == --prepare-root ]]; then
     s=$SECONDS
@@ -51,19 +48,6 @@ if [[ "${1:-}" == --prepare-root ]]; then
     echo "nspawn root ready: $(_nspawn_cache_dir)/$NSPAWN_RELEASE ($((SECONDS - s)) s)"
     exit 0
 fi
-
-# ------------------------------------------------------------ results
-passed=0
-failed=0
-failures=()
-current=""
-ok() { passed=$((passed + 1)); echo "ok   [$current] $*"; }
-fail() { failed=$((failed + 1)); failures+=("[$current] $1"); echo "FAIL [$current] $*"; }
-note() { echo "     [$current] $*"; }
-# check DESCRIPTION EXPECTED SEEN: ok if equal.
-check_eq() {
-    if [[ "$3" == "$2" ]]; then ok "$1: $3"; else fail "$1: expected '$2', saw '$3'"; fi
-}
 
 work="$(mktemp -d /tmp/imgbridge-systemd.XXXXXX)"
 loop_pids=()
@@ -101,16 +85,8 @@ deb_version="$(dpkg-deb -f "$deb" Version)"
 echo "== .deb: $deb (version $deb_version)"
 
 # ------------------------------------------------------------ helpers
-# Polls the command string $2 (inside the container) every 100 ms for up to
-# $1 seconds.
-poll_in() {
-    local deadline=$((SECONDS + $1))
-    until nspawn_run "$2" >/dev/null 2>&1; do
-        ((SECONDS < deadline)) || return 1
-        sleep 0.1
-    done
-}
-# Polls a host command.
+# Polls a host command every 100 ms for up to $1 seconds (a command string
+# inside the container: nspawn_poll).
 poll_host() {
     local deadline=$((SECONDS + $1))
     shift
@@ -135,7 +111,7 @@ boot() { # NAME
     local failed_units
     failed_units="$(nspawn_run 'systemctl list-units --failed --plain --no-legend' 2>/dev/null | awk '{print $1}' | tr '\n' ' ')"
     [[ -z "$failed_units" ]] || note "failed units at boot (not ours): $failed_units"
-    poll_in 30 'ctr -a /run/containerd/containerd.sock version' ||
+    nspawn_poll 30 'ctr -a /run/containerd/containerd.sock version' ||
         { fail "containerd: /run/containerd/containerd.sock did not answer within 30 s of boot"; return 1; }
 }
 
@@ -222,21 +198,18 @@ loop_successes_after() {
 loop_calls_after() {
     awk -v t="$2" 'NF >= 3 && $1 + 0 > t + 0 { n++ } END { print n + 0 }' "$work/loop-$1.log"
 }
-loop_wait_calls() { # NAME N T SECONDS
-    local deadline=$((SECONDS + $4))
-    while (($(loop_calls_after "$1" "$3") < $2)); do
+# Waits until COUNT NAME T (loop_calls_after or loop_successes_after) is N.
+_loop_wait_count() { # COUNT NAME N T SECONDS
+    local deadline=$((SECONDS + $5))
+    while (($("$1" "$2" "$4") < $3)); do
         ((SECONDS < deadline)) || return 1
         sleep 0.1
     done
 }
+# Waits until the loop NAME has made N calls that started after T.
+loop_wait_calls() { _loop_wait_count loop_calls_after "$@"; } # NAME N T SECONDS
 # Waits until the loop NAME has N successes that started after T.
-loop_wait() { # NAME N T SECONDS
-    local deadline=$((SECONDS + $4))
-    while (($(loop_successes_after "$1" "$3") < $2)); do
-        ((SECONDS < deadline)) || return 1
-        sleep 0.1
-    done
-}
+loop_wait() { _loop_wait_count loop_successes_after "$@"; } # NAME N T SECONDS
 # loop_report NAME WHAT [MARK]: prints calls, failures, the longest gap
 # between two successes (and with MARK, an epoch time: the recovery, from
 # MARK to the end of the first success of a call started after it); sets
@@ -621,7 +594,4 @@ s=$SECONDS
 nspawn_stop
 timed "stop" "$s"
 
-echo "== summary: $passed ok, $failed FAIL"
-for f in "${failures[@]}"; do echo "   FAIL $f"; done
-echo "== timing: ${timings[*]} total $((SECONDS - run_start))s"
-((failed == 0))
+report_summary

@@ -1,34 +1,71 @@
 # shellcheck shell=bash
-# A real systemd as PID 1 for tests, on machines whose own PID 1 is not
+# A real init as PID 1 for tests, on machines whose own PID 1 is not
 # systemd: a cached Debian bookworm root booted with systemd-nspawn
-# (docs/systemd-tests.md).
-# Sourced by bash scripts (scripts/test-systemd.sh):
+# (docs/systemd-tests.md). systemd by default; another init (OpenRC on
+# sysvinit, scripts/test-openrc.sh) with its own root and the NSPAWN_READY,
+# NSPAWN_DIAG and NSPAWN_POWEROFF settings below.
+# Sourced by bash scripts (scripts/test-systemd.sh, scripts/test-openrc.sh):
 #
-#   nspawn_root_cached        the cached root, built once (debootstrap) and
-#                             again when NSPAWN_PACKAGES changes; prints its path
-#   nspawn_boot NAME          copy the cached root into a per-run dir and boot
-#                             it; returns once systemd says running/degraded.
-#                             Sets NSPAWN_PID (the container's PID 1, exported),
-#                             NSPAWN_NSPAWN_PID, NSPAWN_ROOT (its root on the host)
+#   nspawn_root_cached        the cached systemd root, built once (debootstrap)
+#                             and again when NSPAWN_PACKAGES changes; prints its
+#                             path
+#   nspawn_boot NAME          nspawn_prepare NAME, then nspawn_start
+#   nspawn_prepare NAME [ROOT]
+#                             a per-run root: an overlay on (or a copy of) the
+#                             cached root ROOT (default: nspawn_root_cached's)
+#                             in a per-run dir, not booted yet (files can be
+#                             put into NSPAWN_ROOT first). Sets NSPAWN_DIR (its
+#                             console log is $NSPAWN_DIR/nspawn.log) and
+#                             NSPAWN_ROOT (the root on the host)
+#   nspawn_start              boot NSPAWN_ROOT (again, after the container
+#                             exited); returns once NSPAWN_READY succeeds
+#                             inside. Sets NSPAWN_PID (the container's PID 1,
+#                             exported), NSPAWN_NSPAWN_PID
 #   nspawn_run CMD...         run CMD... (joined, as bash -c) inside, as root,
 #                             with a clean environment; stdin/out/err are the
 #                             caller's
+#   nspawn_poll SECONDS CMD   nspawn_run CMD (output discarded) every 100 ms
+#                             until it succeeds; 1 after SECONDS
 #   nspawn_copy_in SRC DST    copy a host file into the container (any path,
 #                             /run included)
+#   nspawn_wait_exit SECONDS  wait for the container to exit (a shutdown begun
+#                             inside); sets NSPAWN_LAST_EXIT (nspawn's exit
+#                             status) and clears NSPAWN_PID; 1 if it still
+#                             runs after SECONDS
 #   nspawn_reboot             systemctl reboot inside, then the same root booted
 #                             again (nspawn exits on a reboot: it does not
 #                             restart the container itself); NSPAWN_PID changes
-#   nspawn_stop               poweroff, wait, kill if need be; removes the
-#                             per-run dir, its mounts and cgroup. Idempotent:
-#                             call it from the caller's EXIT/INT/TERM trap.
+#   nspawn_stop               NSPAWN_POWEROFF, wait, kill if need be; removes
+#                             the per-run dir, its mounts and cgroups.
+#                             Idempotent: call it from the caller's
+#                             EXIT/INT/TERM trap.
+#   nspawn_tools              installs debootstrap and systemd-nspawn if missing
 #
 # One container at a time. Needs root. Environment:
 #   IMGBRIDGE_CACHE         cache root (default /var/cache/imgbridge-test); the
 #                           root lives in $IMGBRIDGE_CACHE/debian-root/bookworm
 #   IMGBRIDGE_DEBIAN_MIRROR the Debian mirror (default: the machine's own, from
-#                           /etc/apt; no host name is ever written here)
-#   NSPAWN_BOOT_TIMEOUT     seconds for a boot to reach running (default 120)
+#                           /etc/apt, scripts/lib/debian-mirror.sh; no host
+#                           name is ever written here)
+#   NSPAWN_BOOT_TIMEOUT     seconds for a boot to reach NSPAWN_READY (default
+#                           120)
+#   NSPAWN_STOP_TIMEOUT     seconds for a poweroff/reboot (default 60)
 #   NSPAWN_KEEP=1           keep the per-run dir after nspawn_stop (debugging)
+#   NSPAWN_COPY=1           copy the cached root instead of an overlay
+# Settings for another init (set after sourcing; defaults for systemd):
+#   NSPAWN_READY            bash -c command inside that succeeds once the
+#                           container has booted (default: systemctl
+#                           is-system-running says running or degraded)
+#   NSPAWN_DIAG             bash -c command inside whose output is shown when
+#                           a boot times out (default: systemctl --failed)
+#   NSPAWN_POWEROFF         bash -c command inside that begins a poweroff
+#                           (default: systemctl poweroff --no-block)
+#   NSPAWN_CGROUP_PREFIX    the container's cgroups are PREFIX + NAME at the
+#                           root of each hierarchy, its per-run dir
+#                           $TMPDIR/PREFIX + NAME.XXXXXX (default
+#                           imgbridge-nspawn-; may be empty when NAME is
+#                           distinctive enough); NAME is the machine name
+#   NSPAWN_RUN_ENV          array: more VAR=VALUE for nspawn_run's environment
 
 NSPAWN_RELEASE=bookworm
 # Everything the tests use inside: systemd as PID 1, containerd/ctr/runc as
@@ -38,6 +75,18 @@ NSPAWN_PACKAGES="systemd,systemd-sysv,dbus,containerd,runc,iproute2,curl,ca-cert
 # Bumped when the post-processing below changes (forces a rebuild).
 NSPAWN_ROOT_RECIPE=2
 NSPAWN_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+# shellcheck disable=SC2016 # (expanded inside)
+[[ -n "${NSPAWN_READY:-}" ]] ||
+    NSPAWN_READY='state="$(systemctl is-system-running 2>/dev/null)"; [[ $state == running || $state == degraded ]]'
+[[ -n "${NSPAWN_DIAG:-}" ]] || NSPAWN_DIAG='systemctl --failed --no-pager'
+[[ -n "${NSPAWN_POWEROFF:-}" ]] || NSPAWN_POWEROFF='systemctl poweroff --no-block'
+[[ -v NSPAWN_CGROUP_PREFIX ]] || NSPAWN_CGROUP_PREFIX=imgbridge-nspawn-
+[[ -v NSPAWN_RUN_ENV ]] || NSPAWN_RUN_ENV=()
+
+# debian_mirror CODENAME
+# shellcheck source=scripts/lib/debian-mirror.sh
+source "$(dirname "${BASH_SOURCE[0]}")/debian-mirror.sh"
 
 NSPAWN_PID=""
 NSPAWN_NSPAWN_PID=""
@@ -51,43 +100,9 @@ _nspawn_log() { echo "nspawn: $*" >&2; }
 
 _nspawn_cache_dir() { echo "${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}/debian-root"; }
 
-# The Debian mirror this machine already uses: URIs of the deb822 stanza
-# whose Suites name bookworm (not debian-security), else the one-line
-# sources.list form.
-_nspawn_mirror() {
-    if [[ -n "${IMGBRIDGE_DEBIAN_MIRROR:-}" ]]; then
-        echo "$IMGBRIDGE_DEBIAN_MIRROR"
-        return 0
-    fi
-    local f uri
-    for f in /etc/apt/sources.list.d/debian.sources /etc/apt/sources.list.d/*.sources; do
-        [[ -f "$f" ]] || continue
-        uri="$(awk -v cn="$NSPAWN_RELEASE" 'BEGIN { RS = ""; FS = "\n" }
-            {
-                types = ""; suites = ""; uris = ""
-                for (i = 1; i <= NF; i++) {
-                    if ($i ~ /^Types:/)  types = " " substr($i, 7) " "
-                    if ($i ~ /^Suites:/) suites = " " substr($i, 8) " "
-                    if ($i ~ /^URIs:/)   uris = substr($i, 6)
-                }
-                gsub(/[ \t]+/, " ", types); gsub(/[ \t]+/, " ", suites)
-                if (types ~ / deb / && suites ~ (" " cn " ")) { split(uris, u, " "); print u[1]; exit }
-            }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return 0; }
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -f "$f" ]] || continue
-        uri="$(awk -v cn="$NSPAWN_RELEASE" '$1 == "deb" {
-                i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-                if ($(i + 1) == cn) { print $i; exit } }' "$f")"
-        [[ -n "$uri" ]] && { echo "$uri"; return 0; }
-    done
-    return 1
-}
-
 _nspawn_stamp() { printf 'release=%s\npackages=%s\nrecipe=%s\n' "$NSPAWN_RELEASE" "$NSPAWN_PACKAGES" "$NSPAWN_ROOT_RECIPE"; }
 
-_nspawn_tools() {
+nspawn_tools() {
     local missing=()
     command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
     command -v systemd-nspawn >/dev/null 2>&1 || missing+=(systemd-container)
@@ -112,12 +127,12 @@ nspawn_root_cached() {
         echo "$root"
         return 0
     fi
-    _nspawn_tools || return 1
+    nspawn_tools || return 1
     (
         flock 9
         # Built by another caller while this one waited for the lock?
         if [[ -f "$root/.imgbridge-root" && "$(cat "$root/.imgbridge-root")" == "$stamp" ]]; then exit 0; fi
-        mirror="$(_nspawn_mirror)" || { _nspawn_log "no Debian mirror in /etc/apt (set IMGBRIDGE_DEBIAN_MIRROR)"; exit 1; }
+        mirror="$(debian_mirror "$NSPAWN_RELEASE")" || { _nspawn_log "no Debian mirror in /etc/apt (set IMGBRIDGE_DEBIAN_MIRROR)"; exit 1; }
         # Leftovers of an interrupted build (under the lock: none is running),
         # and replaced roots no container uses any more.
         rm -rf "$dir/.build.$NSPAWN_RELEASE".*
@@ -185,17 +200,16 @@ _nspawn_alive() {
     [[ -n "$st" && "$st" != Z ]]
 }
 
+# 0 once NSPAWN_READY succeeds inside, 1 before, 2 if nspawn has exited.
 _nspawn_booted() {
-    local state
     _nspawn_alive || return 2
     NSPAWN_PID="$(_nspawn_find_leader "$NSPAWN_NSPAWN_PID")" || return 1
-    state="$(nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" systemctl is-system-running 2>/dev/null)"
-    [[ "$state" == running || "$state" == degraded ]]
+    nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" bash -c "$NSPAWN_READY" >/dev/null 2>&1
 }
 
 # Starts nspawn on NSPAWN_ROOT in cgroups of its own, in its own session,
-# and waits for systemd inside to finish booting.
-_nspawn_start() {
+# and waits for the init inside to finish booting (NSPAWN_READY).
+nspawn_start() {
     local deadline log="$NSPAWN_DIR/nspawn.log" rc h
     local -a env=()
     # A cgroup of its own in every hierarchy systemd tracks processes in:
@@ -209,11 +223,11 @@ _nspawn_start() {
     # inside (SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=0); a pure v2 host must not.
     NSPAWN_CGROUPS=()
     if [[ "$(stat -fc %T /sys/fs/cgroup)" == cgroup2fs ]]; then
-        NSPAWN_CGROUPS+=("/sys/fs/cgroup/imgbridge-nspawn-$NSPAWN_NAME")
+        NSPAWN_CGROUPS+=("/sys/fs/cgroup/$NSPAWN_CGROUP_PREFIX$NSPAWN_NAME")
     else
         env+=(SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=0)
         for h in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified; do
-            mountpoint -q "$h" && NSPAWN_CGROUPS+=("$h/imgbridge-nspawn-$NSPAWN_NAME")
+            mountpoint -q "$h" && NSPAWN_CGROUPS+=("$h/$NSPAWN_CGROUP_PREFIX$NSPAWN_NAME")
         done
     fi
     for h in "${NSPAWN_CGROUPS[@]}"; do mkdir -p "$h" || return 1; done
@@ -242,8 +256,8 @@ _nspawn_start() {
         if ((SECONDS >= deadline)); then
             tail -n 30 "$log" >&2
             [[ -z "$NSPAWN_PID" ]] || nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" \
-                systemctl --failed --no-pager >&2 || true
-            _nspawn_log "no running system within ${NSPAWN_BOOT_TIMEOUT:-120} s"
+                bash -c "$NSPAWN_DIAG" >&2 || true
+            _nspawn_log "not booted within ${NSPAWN_BOOT_TIMEOUT:-120} s (NSPAWN_READY: $NSPAWN_READY)"
             return 1
         fi
         sleep 0.1
@@ -251,7 +265,7 @@ _nspawn_start() {
     export NSPAWN_PID
 }
 
-# nspawn_boot NAME: a per-run copy of the cached root, booted.
+# nspawn_prepare NAME [ROOT]: a per-run copy of the cached root, not booted.
 #
 # Copy or overlay, measured here (root of 280 MiB, 9,450 files, ext4 without
 # reflink, 2 busy cores): cp -a --reflink=auto took 1.0-1.8 s idle and ~3 s
@@ -260,16 +274,16 @@ _nspawn_start() {
 # either way. So the overlay, when it mounts; containerd's overlayfs
 # snapshotter inside works on it (an imported image unpacks). NSPAWN_COPY=1
 # forces the copy.
-nspawn_boot() {
-    local name="${1:?nspawn_boot NAME}" cached
+nspawn_prepare() {
+    local name="${1:?nspawn_prepare NAME [ROOT]}" cached="${2:-}"
     if [[ -n "$NSPAWN_DIR" ]]; then
-        _nspawn_log "nspawn_boot: $NSPAWN_NAME is still booted (one container at a time)"
+        _nspawn_log "nspawn_prepare: $NSPAWN_NAME is still booted (one container at a time)"
         return 1
     fi
     [[ "$(id -u)" == 0 ]] || { _nspawn_log "needs root"; return 1; }
-    cached="$(nspawn_root_cached)" || return 1
+    [[ -n "$cached" ]] || cached="$(nspawn_root_cached)" || return 1
     NSPAWN_NAME="$name"
-    NSPAWN_DIR="$(mktemp -d "${TMPDIR:-/var/tmp}/imgbridge-nspawn-$name.XXXXXX")"
+    NSPAWN_DIR="$(mktemp -d "${TMPDIR:-/var/tmp}/$NSPAWN_CGROUP_PREFIX$name.XXXXXX")"
     NSPAWN_ROOT="$NSPAWN_DIR/root"
     mkdir -p "$NSPAWN_ROOT"
     NSPAWN_OVERLAY=0
@@ -283,13 +297,27 @@ nspawn_boot() {
     if ((NSPAWN_OVERLAY == 0)); then
         cp -a --reflink=auto "$cached/." "$NSPAWN_ROOT/" || return 1
     fi
-    _nspawn_start
+}
+
+# nspawn_boot NAME: a per-run copy of the cached root, booted.
+nspawn_boot() {
+    nspawn_prepare "${1:?nspawn_boot NAME}" && nspawn_start
 }
 
 # nspawn_run CMD...: CMD (words joined by spaces, as for bash -c) inside.
 nspawn_run() {
     [[ -n "$NSPAWN_PID" ]] || { _nspawn_log "nspawn_run: no container"; return 1; }
-    nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" HOME=/root LANG=C.UTF-8 bash -c "$*"
+    nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" HOME=/root LANG=C.UTF-8 "${NSPAWN_RUN_ENV[@]}" bash -c "$*"
+}
+
+# nspawn_poll SECONDS CMD: CMD (as for nspawn_run) every 100 ms until it
+# succeeds; 1 if it has not after SECONDS.
+nspawn_poll() {
+    local deadline=$((SECONDS + $1))
+    until nspawn_run "$2" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.1
+    done
 }
 
 # nspawn_copy_in SRC DST: DST is a path inside the container (a file, or an
@@ -301,8 +329,9 @@ nspawn_copy_in() {
 }
 
 # Waits up to $1 seconds for nspawn to exit; sets NSPAWN_LAST_EXIT to its
-# exit status. Not in a subshell: only this shell can reap it.
-_nspawn_wait_exit() {
+# exit status and clears NSPAWN_PID (the root stays for nspawn_start). Not in
+# a subshell: only this shell can reap it.
+nspawn_wait_exit() {
     local deadline=$((SECONDS + $1))
     while _nspawn_alive; do
         ((SECONDS < deadline)) || return 1
@@ -310,6 +339,8 @@ _nspawn_wait_exit() {
     done
     NSPAWN_LAST_EXIT=0
     wait "$NSPAWN_NSPAWN_PID" 2>/dev/null || NSPAWN_LAST_EXIT=$?
+    NSPAWN_PID=""
+    NSPAWN_NSPAWN_PID=""
 }
 
 # systemd-nspawn --boot exits with status 133 when the container reboots
@@ -319,12 +350,12 @@ _nspawn_wait_exit() {
 nspawn_reboot() {
     [[ -n "$NSPAWN_PID" ]] || { _nspawn_log "nspawn_reboot: no container"; return 1; }
     nspawn_run 'systemctl reboot' || true
-    _nspawn_wait_exit "${NSPAWN_STOP_TIMEOUT:-60}" || {
+    nspawn_wait_exit "${NSPAWN_STOP_TIMEOUT:-60}" || {
         _nspawn_log "nspawn did not exit within ${NSPAWN_STOP_TIMEOUT:-60} s of systemctl reboot"
         return 1
     }
     [[ "$NSPAWN_LAST_EXIT" == 133 ]] || _nspawn_log "nspawn exited with $NSPAWN_LAST_EXIT on reboot (expected 133)"
-    _nspawn_start
+    nspawn_start
 }
 
 # Kills what nspawn_run started inside and left running (a client loop):
@@ -341,30 +372,30 @@ _nspawn_kill_strays() {
         p="${p%%/*}"
         [[ "$(readlink "$f" 2>/dev/null)" == "$ns" ]] || continue
         # Its cgroups are all named so, at the root of each hierarchy.
-        grep -qE ":/imgbridge-nspawn-$NSPAWN_NAME(/|\$)" "/proc/$p/cgroup" 2>/dev/null ||
+        grep -qE ":/$NSPAWN_CGROUP_PREFIX$NSPAWN_NAME(/|\$)" "/proc/$p/cgroup" 2>/dev/null ||
             kill -KILL "$p" 2>/dev/null || true
     done
 }
 
-# Powers the container off (killing it after NSPAWN_STOP_TIMEOUT seconds,
-# default 60), removes its dir, mounts and cgroup. Safe to call twice, and
-# with nothing booted.
+# Powers the container off (NSPAWN_POWEROFF; killing it after
+# NSPAWN_STOP_TIMEOUT seconds, default 60), removes its dir, mounts and
+# cgroups. Safe to call twice, and with nothing booted.
 nspawn_stop() {
     local t0=$SECONDS
     if [[ -n "$NSPAWN_NSPAWN_PID" ]] && kill -0 "$NSPAWN_NSPAWN_PID" 2>/dev/null; then
-        # (Also when it is a zombie: _nspawn_wait_exit reaps it.)
+        # (Also when it is a zombie: nspawn_wait_exit reaps it.)
         if [[ -n "$NSPAWN_PID" ]] && kill -0 "$NSPAWN_PID" 2>/dev/null; then
             _nspawn_kill_strays
             timeout 10 nsenter -t "$NSPAWN_PID" -a -- env -i PATH="$NSPAWN_PATH" \
-                systemctl poweroff --no-block >/dev/null 2>&1 || true
+                bash -c "$NSPAWN_POWEROFF" >/dev/null 2>&1 || true
         fi
-        if ! _nspawn_wait_exit "${NSPAWN_STOP_TIMEOUT:-60}"; then
+        if ! nspawn_wait_exit "${NSPAWN_STOP_TIMEOUT:-60}"; then
             _nspawn_log "no poweroff within ${NSPAWN_STOP_TIMEOUT:-60} s: killing the container"
             # Killing nspawn alone leaves the container running: PID 1 first
             # (that ends its whole pid namespace), then nspawn.
             [[ -z "$NSPAWN_PID" ]] || kill -KILL "$NSPAWN_PID" 2>/dev/null || true
             kill -KILL "$NSPAWN_NSPAWN_PID" 2>/dev/null || true
-            _nspawn_wait_exit 10 || _nspawn_log "nspawn (pid $NSPAWN_NSPAWN_PID) survived SIGKILL"
+            nspawn_wait_exit 10 || _nspawn_log "nspawn (pid $NSPAWN_NSPAWN_PID) survived SIGKILL"
         fi
         ((SECONDS - t0 < 5)) || _nspawn_log "$NSPAWN_NAME: poweroff took $((SECONDS - t0)) s"
     fi
