@@ -23,7 +23,7 @@
 #      fresh container)
 # Exits 1 if any check failed; ends with a summary and a timing line.
 # Environment: IMGBRIDGE_CACHE (the cached root, scripts/lib/nspawn.sh),
-# IMGBRIDGE_SYSTEMD_SCENARIOS="a b e c d" (a subset, in that order),
+# IMGBRIDGE_SYSTEMD_SCENARIOS="a b e c d f" (a subset, in that order),
 # IMGBRIDGE_TEST_KEEP=1 (keep the work dir).
 set -uo pipefail
 # `cond && ok … || fail …`: ok never fails (SC2015 does not apply).
@@ -563,7 +563,35 @@ echo "== cached root ($root_was)"
 nspawn_root_cached >/dev/null || { echo "scripts/test-systemd.sh: no root" >&2; exit 1; }
 timed "root($root_was)" "$s"
 
-scenarios="${IMGBRIDGE_SYSTEMD_SCENARIOS:-a b e c d}"
+# f: a runtime with no containerd.service (k3s, rke2, k0s, microk8s run
+# containerd inside a unit of their own): containerd.service masked, a
+# containerd on k3s's socket in a transient k3s.service, upstream set as
+# docs/k3s.md says. The packaged unit starts and serves (it only Wants=
+# containerd.service; Requires= failed on the masked unit).
+scenario_f() {
+    current=f
+    local out
+    out="$(in_out 'systemctl disable --now containerd.service && systemctl mask containerd.service')" ||
+        { fail "mask containerd.service: $out"; return; }
+    out="$(in_out 'systemd-run --unit=k3s.service /usr/bin/containerd --address /run/k3s/containerd/containerd.sock \
+        --root /var/lib/k3s-containerd --state /run/k3s/containerd')" || { fail "systemd-run k3s.service: $out"; return; }
+    nspawn_poll 30 'ctr -a /run/k3s/containerd/containerd.sock version' ||
+        { fail "the k3s-like containerd never answered"; return; }
+    nspawn_run "sed -i 's|^upstream = .*|upstream = \"/run/k3s/containerd/containerd.sock\"|' /etc/imgbridge/config.toml"
+    out="$(in_out 'systemctl restart imgbridge.service')" &&
+        ok "systemctl restart imgbridge.service with containerd.service masked" ||
+        fail "systemctl restart imgbridge.service with containerd.service masked: $out"
+    check_eq "imgbridge.service (no containerd.service on the node)" active "$(unit_active imgbridge.service)"
+    [[ " $(unit_prop imgbridge.service After) " == *" k3s.service "* ]] &&
+        ok "imgbridge.service is ordered after k3s.service" ||
+        fail "imgbridge.service After=: expected k3s.service among $(unit_prop imgbridge.service After)"
+    out="$(in_out 'timeout 30 ctr -a /run/imgbridge/containerd.sock -n buildkit images import /root/x.tar && ctr -a /run/k3s/containerd/containerd.sock -n k8s.io images ls -q')"
+    grep -q 'imgbridge-systemd-test' <<<"$out" &&
+        ok "import into buildkit through imgbridge: in the k3s-like containerd's k8s.io when it returned" ||
+        fail "import through imgbridge to the k3s-like containerd: $out"
+}
+
+scenarios="${IMGBRIDGE_SYSTEMD_SCENARIOS:-a b e c d f}"
 booted_for=""
 fresh() { # NAME: a fresh container with the .deb installed
     nspawn_stop
@@ -583,6 +611,10 @@ for sc in $scenarios; do
                 fresh "ib-$sc-$$" && nspawn_run 'systemctl enable --now imgbridge.socket' >/dev/null 2>&1
             fi
             [[ -n "$booted_for" ]] && "scenario_$sc" ;;
+        f)
+            current=f
+            fresh "ib-f-$$" && make_oci_archive && nspawn_copy_in "$oci_tar" /root/x.tar &&
+                nspawn_run 'systemctl enable --now imgbridge.socket' >/dev/null 2>&1 && scenario_f ;;
         c | d)
             current=$sc
             fresh "ib-$sc-$$" && nspawn_run 'systemctl enable --now imgbridge.socket' >/dev/null 2>&1 && "scenario_$sc" ;;
