@@ -163,10 +163,17 @@ mkdir -p "$out"
 # Background jobs die with the run; the table is printed however it ends.
 go_pid=""
 root_pid=""
+kill_tree() { # PID: it and every descendant, children first
+    local c
+    for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
+    kill "$1" 2>/dev/null || true
+}
 finish() {
     local rc=$?
-    [[ -z "$go_pid" ]] || kill "$go_pid" 2>/dev/null || true
-    [[ -z "$root_pid" ]] || kill "$root_pid" 2>/dev/null || true
+    # The lanes' whole trees (go build, debootstrap), not just their shells:
+    # they would go on writing into the caches being removed.
+    [[ -z "$go_pid" ]] || kill_tree "$go_pid"
+    [[ -z "$root_pid" ]] || kill_tree "$root_pid"
     timing_table
     if [[ -n "${cold_root:-}" && "${cold_keep:-1}" == 0 ]]; then
         chmod -R u+w "$cold_root" 2>/dev/null || true # Go's module cache is read-only

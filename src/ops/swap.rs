@@ -420,7 +420,7 @@ impl<'a> Swap<'a> {
         if let Some((e, created)) = &config {
             state.containerd_config = o.containerd_config.clone();
             state.config_created = *created;
-            state.config_written_sha256 = Some(state::sha256(e.text.as_bytes()));
+            state.config_written_sha256 = Some(containerd_config::sha256(e.text.as_bytes()));
             state.config_before_sha256 = e.before_sha256.clone();
             state.grpc = Some(e.grpc.clone());
             state.ttrpc = Some(e.ttrpc.clone());
@@ -561,7 +561,8 @@ impl<'a> Swap<'a> {
             }
             (Some(s), Some(now)) => {
                 let untouched = s.config_created
-                    && s.config_written_sha256.as_deref() == Some(&state::sha256(now.as_bytes()));
+                    && s.config_written_sha256.as_deref()
+                        == Some(&containerd_config::sha256(now.as_bytes()));
                 if untouched {
                     crate::atomic_file::remove(&config_file)
                         .with_context(|| format!("cannot remove {shown}"))?;

@@ -19,8 +19,6 @@
 use serde::{Deserialize, Serialize};
 use toml_edit::{DocumentMut, Item, Key, Table, TableLike, Value};
 
-use super::state::sha256;
-
 /// The key holding a server's socket path in its table.
 const ADDRESS: &str = "address";
 /// containerd ≥ 2.3's gRPC server plugin (config version 4).
@@ -496,6 +494,13 @@ pub(super) fn reset(
         }
     }
     Ok((line_ends_of(text, doc.to_string()), changed))
+}
+
+/// SHA-256 of `bytes`, hex: how the state file remembers a config's
+/// content (to restore it exactly, or to see that it changed since).
+pub(super) fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 #[cfg(test)]

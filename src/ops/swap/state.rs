@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(test)]
+use super::containerd_config::sha256;
 use super::containerd_config::Previous;
 use crate::atomic_file as atomic;
 
@@ -117,12 +119,6 @@ impl State {
         );
         atomic::write(path, text.as_bytes(), 0o600).map_err(err)
     }
-}
-
-/// SHA-256 of `bytes`, hex.
-pub fn sha256(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 #[cfg(test)]
