@@ -102,12 +102,25 @@ mod harness {
     pub fn fixtures() -> &'static Fixtures {
         static F: OnceLock<Fixtures> = OnceLock::new();
         F.get_or_init(|| {
-            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("import-fixtures-v2");
+            let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+            let dir = base.join("import-fixtures-v2");
+            // This binary runs against two containerds side by side
+            // (scripts/test.sh), so two processes may get here at once: one
+            // builds under the lock, into a directory of its own renamed
+            // into place; the other waits and finds it done. (Unlocked, one
+            // removed what the other was building.)
+            let lock = std::fs::File::create(base.join("import-fixtures-v2.lock")).unwrap();
+            let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+                .map_err(|(_, e)| e)
+                .expect("lock the import fixtures");
             if !dir.join("done").exists() {
+                let tmp = base.join(format!("import-fixtures-v2.tmp-{}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&tmp);
+                std::fs::create_dir_all(&tmp).unwrap();
+                build_fixtures(&tmp);
+                std::fs::write(tmp.join("done"), "").unwrap();
                 let _ = std::fs::remove_dir_all(&dir);
-                std::fs::create_dir_all(&dir).unwrap();
-                build_fixtures(&dir);
-                std::fs::write(dir.join("done"), "").unwrap();
+                std::fs::rename(&tmp, &dir).unwrap();
             }
             Fixtures { dir }
         })
