@@ -474,6 +474,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 drop(files);
             }
         };
+        tracing::info!(listen = %c.listen.display(), socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         for (l, role) in grpc.iter().map(|l| (l, "grpc")).chain(ttrpc.iter().map(|l| (l, "ttrpc"))) {
             let path = l
                 .local_addr()
@@ -482,7 +483,6 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "(unnamed)".into());
             tracing::info!("serving socket={path} role={role}");
         }
-        tracing::info!(listen = %c.listen.display(), socket_activated = !owned, upstream = %c.upstream.display(), "imgbridge serving");
         let res = imgbridge::serve(
             grpc,
             imgbridge::app::Listeners { ttrpc },
