@@ -65,10 +65,7 @@ pub async fn serve(
         let l = ops::http::bind(&config.metrics.listen).await?;
         tasks.push(tokio::spawn(ops::http::serve(l, ops.clone(), stop.clone())));
     }
-    for l in extra.ttrpc {
-        let up = ttrpc_path(&config.upstream);
-        tasks.push(tokio::spawn(proxy::raw::relay(l, up, closing.clone())));
-    }
+
     // One client for everything imgbridge writes itself, so a write that
     // broke containerd's connection is held back whoever retries it.
     let containerd = Containerd::new(&config.upstream);
@@ -83,6 +80,11 @@ pub async fn serve(
     }
     let mut pc = ProxyConfig::new(&config.upstream);
     pc.drain_timeout = config.drain_timeout;
+    for l in extra.ttrpc {
+        let up = ttrpc_path(&config.upstream);
+        let relay = proxy::raw::relay(l, up, pc.outage.clone(), closing.clone());
+        tasks.push(tokio::spawn(relay));
+    }
     let replicator = Replicator::new(containerd.clone(), Settings::from(&config.replication))
         .with_observer(ops.metrics.clone());
     tasks.push(replicator.start(stop.clone()));

@@ -227,11 +227,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("s.sock");
         let _l = bind_narrow(&p, 0o660).unwrap();
-        let umask = {
-            let u = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-            nix::sys::stat::umask(u);
-            u.bits() as u32
-        };
+        // Read, not set: umask(2) is process-wide and tests run in threads.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let umask = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Umask:"))
+            .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+            .expect("Umask in /proc/self/status");
         let mode = std::fs::metadata(&p).unwrap().mode() & 0o777;
         assert_eq!(mode, 0o660 & !umask, "umask {umask:03o}");
         assert_eq!(mode & 0o007, 0, "never open to others, even for a moment");

@@ -56,6 +56,9 @@ pub struct ProxyConfig {
     pub threads: usize,
     /// Receives per-call metrics (method, grpc-status, bytes); `None` = off.
     pub observer: Option<Arc<dyn CallObserver>>,
+    /// containerd's outages, logged once each; shared with the ttrpc
+    /// relays ([`raw::relay`]), which reach the same containerd.
+    pub outage: Arc<outage::Outage>,
 }
 
 impl ProxyConfig {
@@ -65,6 +68,7 @@ impl ProxyConfig {
             drain_timeout: Duration::from_secs(10),
             threads: 0,
             observer: None,
+            outage: Arc::default(),
         }
     }
 }
@@ -103,7 +107,7 @@ pub async fn serve(
         observer: config.observer.clone(),
         upstream: config.upstream.clone(),
     });
-    let outage = Arc::new(outage::Outage::default());
+    let outage = config.outage.clone();
     let drain = CancellationToken::new();
     let tracker = TaskTracker::new();
     tokio::pin!(shutdown);

@@ -6,14 +6,18 @@
 //! the outage as a whole.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-/// Shared by every connection of one proxy.
+/// Shared by every connection of one proxy and its ttrpc relays: one
+/// containerd, one outage.
 #[derive(Debug, Default)]
 pub struct Outage {
-    /// When the current outage began; `None` while containerd answers.
+    /// Set while an outage is on: every connection that reaches containerd
+    /// reads only this, so the connect path takes no lock while it answers.
+    down: AtomicBool,
+    /// When the current outage began.
     since: Mutex<Option<Instant>>,
     /// Calls failed in the current outage.
     calls: AtomicU64,
@@ -27,6 +31,7 @@ impl Outage {
         if since.is_none() {
             *since = Some(Instant::now());
             self.calls.store(0, Ordering::Relaxed);
+            self.down.store(true, Ordering::Release);
             tracing::warn!(upstream = %upstream.display(), error = %error, "containerd unavailable; calls through imgbridge fail until it is back (logged once per outage)");
         }
     }
@@ -38,19 +43,20 @@ impl Outage {
 
     /// containerd accepted a connection: ends the outage, if one is on.
     pub fn up(&self, upstream: &Path) {
+        if !self.down.load(Ordering::Acquire) {
+            return;
+        }
         let mut since = crate::lock::lock(&self.since);
         if let Some(t) = since.take() {
+            self.down.store(false, Ordering::Release);
             let calls = self.calls.swap(0, Ordering::Relaxed);
             tracing::info!(upstream = %upstream.display(), down_for = ?t.elapsed(), unavailable_calls = calls, "containerd is back");
         }
     }
 
-    /// Whether an outage is on (for tests and /status).
+    /// Whether an outage is on.
     pub fn is_down(&self) -> bool {
-        self.since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.down.load(Ordering::Acquire)
     }
 }
 

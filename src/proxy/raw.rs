@@ -16,9 +16,13 @@ use tokio_util::task::TaskTracker;
 /// relayed connection, at once: they carry shims' event publishes, which
 /// have no end to wait for, and a shim reconnects (to the next instance).
 /// Returns once all are closed.
-pub async fn relay(listener: UnixListener, upstream: PathBuf, shutdown: CancellationToken) {
+pub async fn relay(
+    listener: UnixListener,
+    upstream: PathBuf,
+    outage: Arc<super::outage::Outage>,
+    shutdown: CancellationToken,
+) {
     let upstream = Arc::new(upstream);
-    let outage = Arc::new(super::outage::Outage::default());
     let conns = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
