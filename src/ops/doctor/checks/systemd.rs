@@ -135,12 +135,18 @@ fn check(config: &Config, u: &Units, r: &mut Report) {
             "set SocketMode= in a drop-in (systemctl edit imgbridge.socket)",
         );
     }
+    // Compared as gids, the way both sides resolve names (/etc/group):
+    // "", "root" and "0" are one group.
     let group = config.socket_group.trim();
     let unit_group = u.group.trim();
-    let same = group == unit_group
-        || (group.is_empty() && (unit_group == "root" || unit_group == "0"))
-        || (unit_group.is_empty() && (group == "root" || group == "0"));
-    if !same {
+    let gid = |g: &str| match g {
+        "" => Some(0),
+        g => g
+            .parse()
+            .ok()
+            .or_else(|| crate::etc_group::gid_of(g).ok().flatten()),
+    };
+    if gid(group) != gid(unit_group) {
         r.warn(
             "socket_group",
             format!(
