@@ -4,10 +4,11 @@
 # module per peer, see tests/peers/README.md), each set in its own bin dir,
 # cached outside the repo and reused across runs.
 #
-#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet crane conformance oras helm ko)
+#   scripts/peers.sh fetch [NAME...]    (default: buildkit nerdctl crictl spegel kubelet etcd crane conformance oras helm ko)
 #       stdout, one line per name: <name> <version> <absolute bindir>
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl,
-#       spegel, kubelet, crane, conformance, oras, helm, or ko.
+#       spegel, kubelet (with kube-apiserver, kube-controller-manager,
+#       kube-scheduler and kubectl), etcd, crane, conformance, oras, helm, or ko.
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -26,7 +27,7 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${IMGBRIDGE_CACHE:-/var/cache/imgbridge-test}"
 peers_cache="$cache_root/peers"
-all_names=(buildkit nerdctl crictl spegel kubelet crane conformance oras helm ko)
+all_names=(buildkit nerdctl crictl spegel kubelet etcd crane conformance oras helm ko)
 
 log() { echo "peers: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -36,7 +37,7 @@ die() { log "ERROR: $*"; exit 1; }
 # gobuild.sh lists the peers it knew of when written; spegel, kubelet, crane,
 # conformance, oras, helm and ko are more (so `versions` prints their pins
 # too).
-for _p in spegel kubelet crane conformance oras helm ko; do
+for _p in spegel kubelet etcd crane conformance oras helm ko; do
     [[ " ${gobuild_peer_names[*]} " == *" $_p "* ]] || gobuild_peer_names+=("$_p")
 done
 
@@ -68,6 +69,13 @@ done
 #             component-base/version, which `kubelet --version` prints, and
 #             of client-go/pkg/version), -trimpath. About 1,800 packages:
 #             ~15 min cold on two busy cores, seconds warm.
+#             kube-apiserver, kube-controller-manager, kube-scheduler and
+#             kubectl are built by the same invocation (same flags), so most
+#             of their packages are kubelet's, compiled once.
+#   etcd      server/ of etcd's repository is the etcd main package; its
+#             scripts/build.sh: CGO_ENABLED=0, -trimpath, ldflags "-X
+#             api/v3/version.GitSHA=<sha>" (unset here: the module proxy
+#             carries no commit id). `etcd --version` prints the version.
 #   crane     .goreleaser.yaml of go-containerregistry: CGO_ENABLED=0,
 #             ldflags "-s -w -X cmd/crane/cmd.Version=<tag>", -trimpath.
 #   conformance  the OCI distribution-spec conformance suite (a main package;
@@ -117,6 +125,11 @@ peer_spec() { # name version
             binaries=(spegel)
             units=("0||-s -w|-trimpath|$module")
             ;;
+        etcd)
+            module=go.etcd.io/etcd/server/v3
+            binaries=(etcd)
+            units=("0|||-trimpath|$module=etcd")
+            ;;
         crane)
             module=github.com/google/go-containerregistry
             binaries=(crane)
@@ -139,7 +152,7 @@ peer_spec() { # name version
             ;;
         kubelet)
             module=k8s.io/kubernetes
-            binaries=(kubelet)
+            binaries=(kubelet kube-apiserver kube-controller-manager kube-scheduler kubectl)
             ld="-s -w"
             local mm="${ver#v}" pkg
             for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -149,7 +162,7 @@ peer_spec() { # name version
                 ld+=" -X $pkg.gitMinor=${mm%%.*}"
                 mm="${ver#v}"
             done
-            units=("0|selinux notest grpcnotrace|$ld|-trimpath|$module/cmd/kubelet")
+            units=("0|selinux notest grpcnotrace|$ld|-trimpath|${binaries[*]/#/$module/cmd/}")
             ;;
         *) die "unknown peer '$1' (known: ${all_names[*]})" ;;
     esac
@@ -186,6 +199,16 @@ check_peer() { # bindir; uses $name $ver $binaries $module
         if [[ "$name" == ko ]]; then # the tag without its "v", as released
             out="$("$1/$b" version 2>&1)" || die "peer $name: $1/$b version failed: $out"
             [[ "$out" == "${ver#v}" ]] || die "peer $name: $1/$b version prints '$out', expected ${ver#v}"
+            continue
+        fi
+        if [[ "$name" == etcd ]]; then # "etcd Version: 3.7.3" on its own line
+            out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"
+            grep -qxF "etcd Version: ${ver#v}" <<<"$out" || die "peer $name: $1/$b --version prints '$out', expected ${ver#v}"
+            continue
+        fi
+        if [[ "$b" == kubectl ]]; then # "Client Version: v1.37.2" (no --version flag)
+            out="$("$1/$b" version --client 2>&1)" || die "peer $name: $1/$b version --client failed: $out"
+            [[ "$out" == *"Client Version: $ver"* ]] || die "peer $name: $1/$b version --client prints '$out', expected $ver"
             continue
         fi
         out="$("$1/$b" --version 2>&1)" || die "peer $name: $1/$b --version failed: $out"

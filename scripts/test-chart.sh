@@ -33,6 +33,14 @@ chart_v="$(yq -r .version "$chart/Chart.yaml")" app_v="$(yq -r .appVersion "$cha
     fail "Chart.yaml version $chart_v / appVersion $app_v, Cargo.toml $version"
 ok "Chart.yaml version and appVersion are Cargo.toml's ($version)"
 
+declare -A config=(
+    [containerd]=/etc/containerd/config.toml
+    [kind]=/etc/containerd/config.toml
+    [k3s]=/var/lib/rancher/k3s/agent/etc/containerd/config.toml
+    [rke2]=/var/lib/rancher/rke2/agent/etc/containerd/config.toml
+    [k0s]=/etc/k0s/containerd.toml
+    [microk8s]=/var/snap/microk8s/current/args/containerd.toml
+)
 declare -A socket=(
     [containerd]=/run/containerd/containerd.sock
     [kind]=/run/containerd/containerd.sock
@@ -54,28 +62,37 @@ for rt in $(printf '%s\n' "${!socket[@]}" | sort); do
     printf '%s\n' "$cfg" >"$work/config-$rt.toml"
     up="$(grep -E '^upstream = ' "$work/config-$rt.toml" | cut -d'"' -f2)"
     [[ "$up" == "$sock" ]] || fail "$rt: config upstream '$up', expected $sock"
-    jq -e --arg d "${sock%/*}" '
+    cfgf="${config[$rt]}"
+    jq -e --arg d "${sock%/*}" --arg cd "${cfgf%/*}" --arg cf "$cfgf" '
         .spec.template.spec as $s
         | ($s.volumes[] | select(.name == "containerd") | .hostPath.path == $d and .hostPath.type == "Directory")
-          and ($s.containers[0].volumeMounts[] | select(.name == "containerd") | .mountPath == $d)
+          and ($s.containers[0].volumeMounts[] | select(.name == "containerd")
+               | .mountPath == $d and .readOnly == true and .mountPropagation == "HostToContainer")
+          and ($s.volumes[] | select(.name == "containerd-config") | .hostPath.path == $cd)
+          and ($s.containers[0].volumeMounts[] | select(.name == "containerd-config") | .mountPath == $cd and .readOnly == true)
+          and ([$s.containers[0].env[] | select(.name == "IMGBRIDGE_CONTAINERD_CONFIG") | .value] == [$cf])
+          and ($s.containers[0].imagePullPolicy == "Never")
+          and ($s.nodeSelector["kubernetes.io/os"] == "linux")
           and ($s.containers[0].image == "imgbridge:'"$version"'")
           and ($s.containers[0].securityContext.runAsUser == 0)
           and ($s.containers[0].securityContext.privileged == false)' <<<"$ds" >/dev/null ||
-        fail "$rt: DaemonSet does not mount ${sock%/*} at the same path (or image/securityContext wrong): $ds"
+        fail "$rt: DaemonSet does not mount ${sock%/*} read-only (HostToContainer) and ${cfgf%/*} at the same paths, or image/pull policy/os selector/securityContext wrong: $ds"
     if [[ -n "$bin" ]]; then
         printed="$("$bin" serve --config "$work/config-$rt.toml" --print-config)" ||
             fail "$rt: imgbridge rejects the rendered config.toml"
         grep -qxF "upstream = \"$sock\"" <<<"$printed" || fail "$rt: imgbridge reads upstream as: $(grep upstream <<<"$printed")"
     fi
-    ok "runtime=$rt: lint, template, socket dir ${sock%/*}${bin:+, config loads in imgbridge}"
+    ok "runtime=$rt: lint, template, socket dir ${sock%/*} (read-only), containerd config $cfgf${bin:+, config loads in imgbridge}"
 done
+
+zero_digest="sha256:$(printf '%064d' 0)"
 
 # Everything optional on, and values the chart passes into config.toml.
 all=(--set runtime=k3s --set metrics.serviceMonitor.enabled=true --set metrics.dashboard.enabled=true
     --set 'importDirs[0].path=/var/lib/imgbridge/images' --set 'importDirs[1].path=/srv/images'
     --set 'importDirs[1].namespace=buildkit' --set socket.group=docker --set metrics.port=9555
     --set-json 'replication.sourceNamespaces=["default","buildkit"]' --set config.replication.pin=true
-    --set config.import.pull_attempts=7 --set config.drain_timeout=20s --set image.digest=sha256:0123
+    --set config.import.pull_attempts=7 --set config.drain_timeout=20s --set image.digest=$zero_digest
     --set priorityClassName=custom --set hostNetwork=true)
 "$helm" lint --strict "$chart" "${all[@]}" >"$work/lint" 2>&1 || { cat "$work/lint"; fail "helm lint with every option"; }
 out="$(render "${all[@]}")"
@@ -87,7 +104,7 @@ obj ConfigMap "$out" | jq -r 'select(.metadata.name | endswith("-dashboard")) | 
 ds="$(obj DaemonSet "$out")"
 jq -e '.spec.template.spec as $s
     | $s.hostNetwork == true and $s.priorityClassName == "custom"
-      and $s.containers[0].image == "imgbridge@sha256:0123"
+      and $s.containers[0].image == "imgbridge@'"$zero_digest"'"
       and $s.containers[0].ports[0].containerPort == 9555
       and ([$s.volumes[] | select(.hostPath.path == "/etc/group")] | length == 1)
       and ([$s.volumes[] | select(.hostPath.path == "/srv/images" and .hostPath.type == "DirectoryOrCreate")] | length == 1)
@@ -95,7 +112,7 @@ jq -e '.spec.template.spec as $s
     fail "every option: DaemonSet lacks hostNetwork/priority/digest/port/group file/import dir: $ds"
 obj ConfigMap "$out" | jq -r 'select(.metadata.name | endswith("-dashboard") | not) | .data["config.toml"]' >"$work/all.toml"
 for want in 'pin = true' 'pull_attempts = 7' 'drain_timeout = "20s"' 'socket_group = "docker"' \
-    'listen = "0.0.0.0:9555"' 'source_namespaces = ["default","buildkit"]' \
+    'listen = "127.0.0.1:9555"' 'source_namespaces = ["default","buildkit"]' \
     '  { path = "/srv/images", namespace = "buildkit" },'; do
     grep -qxF "$want" "$work/all.toml" || fail "every option: config.toml lacks '$want':"$'\n'"$(cat "$work/all.toml")"
 done
@@ -131,6 +148,81 @@ if "$helm" template imgbridge "$chart" --set registry.enabled=true >"$work/bad" 
 fi
 grep -q 'registry.enabled needs hostNetwork: true' "$work/bad" || fail "registry without hostNetwork: $(cat "$work/bad")"
 ok "registry: [registry] on the node's loopback, KEP-1755 local-registry-hosting, needs hostNetwork${bin:+ (config loads)}"
+
+# The image: side-loaded by default (Never: no node asks Docker Hub for
+# docker.io/library/imgbridge), pulled when it names a registry or a digest.
+policy() { render "$@" | jq -r 'select(.kind == "DaemonSet") | .spec.template.spec.containers[0].imagePullPolicy'; }
+[[ "$(policy)" == Never ]] || fail "default image pull policy: $(policy)"
+[[ "$(policy --set image.repository=registry.example/imgbridge)" == IfNotPresent ]] || fail "a registry's image is not pulled"
+[[ "$(policy --set image.digest="$zero_digest")" == IfNotPresent ]] || fail "a digest-pinned image is not pulled"
+[[ "$(policy --set image.pullPolicy=Always)" == Always ]] || fail "image.pullPolicy is not honoured"
+"$helm" install --dry-run=client imgbridge "$chart" >"$work/notes" 2>&1 || fail "helm install --dry-run: $(cat "$work/notes")"
+grep -q 'side-loaded (imagePullPolicy: Never)' "$work/notes" || fail "NOTES.txt does not say the image is side-loaded: $(cat "$work/notes")"
+[[ "$(render | jq -r 'select(.kind == "Pod") | .spec.containers[0].imagePullPolicy')" == Never ]] || fail "the helm test pod's pull policy differs"
+ok "image: side-loaded name never pulled (NOTES.txt says so), a registry's or a digest IfNotPresent"
+
+# /metrics: every address family on the pod's network; the node's loopback
+# only with hostNetwork (probed there); metrics.listen overrides.
+cfg_of() { render "$@" | jq -r 'select(.data["config.toml"]) | .data["config.toml"]'; }
+probe_host() { render "$@" | jq -r 'select(.kind == "DaemonSet") | .spec.template.spec.containers[0] | [.livenessProbe.httpGet.host, .readinessProbe.httpGet.host] | map(. // "-") | join(" ")'; }
+grep -qxF 'listen = "[::]:9464"' <(cfg_of) || fail "metrics on the pod network: $(cfg_of | grep listen)"
+[[ "$(probe_host)" == "- -" ]] || fail "probes on the pod network name a host: $(probe_host)"
+grep -qxF 'listen = "127.0.0.1:9464"' <(cfg_of --set hostNetwork=true) || fail "metrics with hostNetwork: $(cfg_of --set hostNetwork=true | grep listen)"
+[[ "$(probe_host --set hostNetwork=true)" == "127.0.0.1 127.0.0.1" ]] || fail "probes with hostNetwork: $(probe_host --set hostNetwork=true)"
+grep -qxF 'listen = "[::]:9464"' <(cfg_of --set hostNetwork=true --set-string 'metrics.listen=[::]:9464') || fail "metrics.listen is not honoured"
+[[ "$(probe_host --set hostNetwork=true --set-string 'metrics.listen=[::]:9464')" == "- -" ]] || fail "probes of an exposed listen name a host"
+ok "metrics: [::] on the pod network, the node's loopback with hostNetwork (probed there), metrics.listen"
+
+# securityContext merged over the container's own (SELinux), the pod's
+# securityContext, extra env, volumes and mounts; the test pod gets them too.
+out="$(render --set-string securityContext.seLinuxOptions.type=spc_t --set podSecurityContext.fsGroup=1234 \
+    --set 'extraEnv[0].name=FOO' --set 'extraEnv[0].value=bar' --set 'extraVolumes[0].name=x' \
+    --set 'extraVolumes[0].emptyDir.medium=Memory' --set 'extraVolumeMounts[0].name=x' --set 'extraVolumeMounts[0].mountPath=/x')"
+for kind in DaemonSet Pod; do
+    obj "$kind" "$out" | jq -e '(.spec.template.spec // .spec) as $s | $s.containers[0] as $c
+        | $c.securityContext.seLinuxOptions.type == "spc_t" and $c.securityContext.readOnlyRootFilesystem == true
+          and $c.securityContext.capabilities.drop == ["ALL"] and $s.securityContext.fsGroup == 1234
+          and ([$c.env[] | select(.name == "FOO" and .value == "bar")] | length == 1)
+          and ([$c.env[] | select(.name == "IMGBRIDGE_CONTAINERD_CONFIG")] | length == 1)
+          and ([$s.volumes[] | select(.name == "x" and .emptyDir.medium == "Memory")] | length == 1)
+          and ([$c.volumeMounts[] | select(.name == "x" and .mountPath == "/x")] | length == 1)' >/dev/null ||
+        fail "$kind: securityContext/podSecurityContext/extraEnv/extraVolumes not rendered: $(obj "$kind" "$out")"
+done
+[[ "$(render --set-string containerdConfig=- | jq -c 'select(.kind == "DaemonSet") | [.spec.template.spec.volumes[] | select(.name == "containerd-config")]')" == "[]" ]] ||
+    fail "containerdConfig=- still mounts containerd's config"
+ok "securityContext (seLinuxOptions) merged over the defaults, podSecurityContext, extraEnv/Volumes/Mounts, containerdConfig=-"
+
+# The helm test pod is not the DaemonSet's: its controller would adopt and
+# delete a pod matching its selector.
+sel="$(render | jq -c 'select(.kind == "DaemonSet") | .spec.selector.matchLabels')"
+render | jq -e --argjson sel "$sel" 'select(.kind == "Pod") | .metadata.labels as $l | [$sel | to_entries[] | $l[.key] == .value] | all | not' >/dev/null ||
+    fail "the helm test pod carries the DaemonSet's selector labels ($sel)"
+ok "the helm test pod does not match the DaemonSet's selector"
+
+# values.schema.json: an unquoted octal mode (YAML reads 0660 as 432), an
+# unknown key, a bad enum.
+printf 'socket:\n  mode: 0660\n' >"$work/octal.yaml"
+"$helm" template imgbridge "$chart" -f "$work/octal.yaml" >"$work/bad" 2>&1 && fail "socket.mode: 0660 (unquoted) rendered"
+grep -q "/socket/mode': got number, want string" "$work/bad" || fail "unquoted mode: $(cat "$work/bad")"
+"$helm" template imgbridge "$chart" --set hostGroupFile=true >"$work/bad" 2>&1 && fail "an unknown value rendered"
+grep -q "additional properties 'hostGroupFile' not allowed" "$work/bad" || fail "unknown value: $(cat "$work/bad")"
+"$helm" template imgbridge "$chart" --set image.pullPolicy=Sometimes >"$work/bad" 2>&1 && fail "a bad pull policy rendered"
+ok "values.schema.json refuses an unquoted octal mode, unknown keys and bad enums"
+
+# KEP-1755: published where its host is true; kind's nodes are containers,
+# so only with a host; the host is among the endpoint's names; a help URL.
+lrh() { render --set registry.enabled=true --set hostNetwork=true "$@" | jq -r 'select(.metadata.name == "local-registry-hosting") | .data["localRegistryHosting.v1"]'; }
+[[ -z "$(lrh --set runtime=kind)" ]] || fail "local-registry-hosting published for kind without a host"
+[[ -z "$(lrh --set registry.localRegistryHosting.enabled=false)" ]] || fail "local-registry-hosting published when disabled"
+[[ -n "$(lrh --set runtime=kind --set registry.localRegistryHosting.enabled=true)" ]] || fail "enabled=true does not publish"
+lrh --set runtime=kind --set registry.localRegistryHosting.host=kind-registry:5000 >"$work/lrh-kind"
+[[ "$(yq -r .host "$work/lrh-kind")" == kind-registry:5000 && "$(yq -r .help "$work/lrh-kind")" == https://* ]] ||
+    fail "kind with a host: $(cat "$work/lrh-kind")"
+grep -qxF 'hosts = ["kind-registry"]' <(cfg_of --set registry.enabled=true --set hostNetwork=true --set registry.localRegistryHosting.host=kind-registry:5000) ||
+    fail "the published host is not among the endpoint's names"
+grep -q '^hosts = ' <(cfg_of --set registry.enabled=true --set hostNetwork=true --set registry.localRegistryHosting.host=localhost:5001) &&
+    fail "localhost added to registry.hosts"
+ok "KEP-1755: not for kind unless a host is set, a help URL, the host accepted by the endpoint"
 
 # The DaemonSet of the default values restarts on a config change only.
 a="$(render | jq -r 'select(.kind == "DaemonSet") | .spec.template.metadata.annotations["checksum/config"]')"

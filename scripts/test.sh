@@ -126,6 +126,10 @@ done
 for bin in yq jq musl-gcc file objcopy debootstrap systemd-nspawn; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
+# openssl: the control plane's certificates; the CNI loopback plugin: its
+# node's network (tests/support/src/cluster.rs).
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+[[ -x /usr/lib/cni/loopback ]] || missing+=(/usr/lib/cni/loopback)
 
 if [[ "${IMGBRIDGE_SKIP_APT:-0}" == "1" && ${#missing[@]} -eq 0 ]]; then
     echo "==> apt skipped (IMGBRIDGE_SKIP_APT=1, all tools present)"
@@ -136,7 +140,8 @@ else
     apt-get install -y --no-install-recommends \
         containerd runc protobuf-compiler skopeo umoci busybox-static \
         docker-registry ca-certificates iproute2 util-linux curl make gcc libc6-dev \
-        yq jq musl-tools file binutils debootstrap systemd-container
+        yq jq musl-tools file binutils debootstrap systemd-container \
+        openssl containernetworking-plugins
 fi
 stage_done "apt" "$stage_start"
 
@@ -185,8 +190,9 @@ trap finish EXIT
 
 # ------------------------------------------------------------------ Go lane
 # The containerds of the matrix (Debian's by apt download, 2.4 by go build),
-# the real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet,
-# crane, oras, helm, ko and the OCI conformance suite) and the pinned cargo
+# the real clients (buildkitd, buildctl, nerdctl, crictl, spegel, kubelet
+# and the control plane, etcd, crane, oras, helm, ko and the OCI
+# conformance suite) and the pinned cargo
 # tools the packaging test needs, each built once into its cache (warm: a
 # few seconds). IMGBRIDGE_SKIP_PEERS=1 skips the peers and the tests that
 # need them (a quick local loop only: CI never sets it).
@@ -202,7 +208,7 @@ go_lane() {
     if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" ]]; then
         s=$SECONDS
         # helm first: the chart stage needs only it.
-        scripts/peers.sh fetch helm buildkit nerdctl crictl spegel kubelet crane conformance oras ko >"$out/peers.txt"
+        scripts/peers.sh fetch helm buildkit nerdctl crictl spegel kubelet etcd crane conformance oras ko >"$out/peers.txt"
         printf 'Go lane: peers\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
     fi
     if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
@@ -305,10 +311,10 @@ stage_done "containerd configs, chart" "$stage_start"
 # Every integration test binary against every containerd of the matrix:
 # Debian bookworm's 1.6 (the system package), trixie's 1.7, sid's 2.1 and
 # the newest 2.x from the Go module proxy. Tests of imgbridge itself rather
-# than of a containerd fact (its packaging under kubelet, input validation,
+# than of a containerd fact (its packaging under kubelet and a control plane, input validation,
 # fault injection, the harness, the registry's idle-session limits) run on
 # the oldest and newest only (docs/testing.md).
-broad_only="daemonset hostile breaker harness"
+broad_only="daemonset cluster hostile breaker harness"
 # IMGBRIDGE_JOBS binaries at a time (each with two test threads): most of
 # a test's time is spent waiting on daemons (containerd, kubelet, buildkitd
 # and pods starting), so two share the two cores (docs/testing.md, "CI
@@ -319,7 +325,7 @@ njobs="${IMGBRIDGE_JOBS:-2}"
 # Longest first, so the lanes end together: the last run's seconds per
 # binary and label if known, else this order (measured, longest first).
 times_file="$cache/test-times.tsv"
-default_order="kubelet registry buildkit daemonset multinode nerdctl restart replicate import hostile proxy breaker lazy protected reconcile socket_swap ops conns reset pending pings versions harness"
+default_order="kubelet registry buildkit daemonset cluster multinode nerdctl restart replicate import hostile proxy breaker lazy protected reconcile socket_swap ops conns reset pending pings versions harness"
 declare -A ctd_version=()
 jobs_file="$out/jobs.txt"
 : >"$jobs_file"

@@ -65,6 +65,8 @@ impl Node {
             .arg("--set-string")
             .arg(format!("containerdSocket={}", c.socket().display()))
             .arg("--set-string")
+            .arg(format!("containerdConfig={}", c.config_path().display()))
+            .arg("--set-string")
             .arg(format!("image.tag={}", image.tag))
             .arg("--set-string")
             .arg(format!("socket.dir={}", d.join("run-imgbridge").display()))
@@ -152,7 +154,12 @@ fn text_from(s: &str, from: usize) -> &str {
 /// flight.
 #[test]
 fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
-    let c = Scenario::cri().containerd();
+    // The pod mounts containerd's dir with HostToContainer propagation.
+    let c = Containerd::start(ContainerdOpts {
+        cri: true,
+        shared_mount: true,
+        ..Default::default()
+    });
     let Some(k) = Kubelet::start(KubeletOpts::new(c.socket())) else {
         return;
     };

@@ -11,6 +11,8 @@
 # A build is described by "units", one string per `go build` invocation:
 #     "<CGO_ENABLED>|<tags>|<ldflags>|<other go build flags>|<packages>"
 # (tags, flags and packages space-separated; ldflags passed as one -ldflags).
+# A unit of one package may name its binary, "<package>=<binary>", where go
+# would name it otherwise (a module root with a /vN suffix: etcd's server).
 #
 # The sourcing script sets repo_root and defines log and die (die exits).
 
@@ -91,18 +93,23 @@ gobuild_key() { # name go unit...
 }
 
 gobuild_build() { # name go outdir unit...
-    local name="$1" go="$2" out="$3" unit cgo tags ldflags flags pkgs
+    local name="$1" go="$2" out="$3" unit cgo tags ldflags flags pkgs dest
     local -a flag_a pkg_a tag_a
     shift 3
     for unit in "$@"; do
         IFS='|' read -r cgo tags ldflags flags pkgs <<<"$unit"
         read -ra flag_a <<<"$flags"
         read -ra pkg_a <<<"$pkgs"
+        dest="$out/"
+        if [[ ${#pkg_a[@]} == 1 && "${pkg_a[0]}" == *=* ]]; then
+            dest="$out/${pkg_a[0]#*=}"
+            pkg_a=("${pkg_a[0]%%=*}")
+        fi
         tag_a=()
         [[ -z "$tags" ]] || tag_a=(-tags "$tags")
         log "peer $name: CGO_ENABLED=$cgo go build${tags:+ -tags \"$tags\"} -ldflags \"$ldflags\"${flags:+ $flags} $pkgs"
         CGO_ENABLED="$cgo" gobuild_go "$name" "$go" build "${tag_a[@]}" \
-            -ldflags "$ldflags" "${flag_a[@]}" -o "$out/" "${pkg_a[@]}" >&2 ||
+            -ldflags "$ldflags" "${flag_a[@]}" -o "$dest" "${pkg_a[@]}" >&2 ||
             die "peer $name: go build of ${pkg_a[*]} failed"
     done
 }
@@ -251,7 +258,7 @@ gobuild_verify() { # name go unit...
     : >"$linked"
     for unit in "$@"; do
         IFS='|' read -r cgo tags _ _ pkgs <<<"$unit"
-        read -ra pkg_a <<<"$pkgs"
+        read -ra pkg_a <<<"${pkgs%%=*}"
         CGO_ENABLED="$cgo" gobuild_go "$name" "$go" list -deps -tags "$tags" \
             -f '{{with .Module}}{{if not .Main}}{{.Path}} {{.Version}}{{end}}{{end}}' \
             "${pkg_a[@]}" >>"$linked" || { log "peer $name: go list -deps failed"; bad=1; }

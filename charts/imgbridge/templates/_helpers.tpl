@@ -31,16 +31,57 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The pull policy: image.pullPolicy, else Never for the side-loaded default
+name (kubelet must never ask Docker Hub for docker.io/library/imgbridge),
+else IfNotPresent.
+*/}}
+{{- define "imgbridge.pullPolicy" -}}
+{{- if .Values.image.pullPolicy -}}
+{{- .Values.image.pullPolicy -}}
+{{- else if and (eq .Values.image.repository "imgbridge") (not .Values.image.digest) -}}
+Never
+{{- else -}}
+IfNotPresent
+{{- end -}}
+{{- end -}}
+
+{{/* The runtime preset (fails naming the presets when there is none). */}}
+{{- define "imgbridge.preset" -}}
+{{- $p := get .Values.runtimes .Values.runtime -}}
+{{- if not $p -}}
+{{- fail (printf "runtime %q: no such preset (one of: %s)" .Values.runtime (keys .Values.runtimes | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- toJson $p -}}
+{{- end -}}
+
+{{/* containerd's config file on the node ("" = none mounted). */}}
+{{- define "imgbridge.containerdConfig" -}}
+{{- if eq .Values.containerdConfig "-" -}}
+{{- else if .Values.containerdConfig -}}
+{{- .Values.containerdConfig -}}
+{{- else -}}
+{{- (include "imgbridge.preset" . | fromJson).config | default "" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where /metrics, /healthz and /readyz listen (metrics.listen). */}}
+{{- define "imgbridge.metricsListen" -}}
+{{- if .Values.metrics.listen -}}
+{{- .Values.metrics.listen -}}
+{{- else if .Values.hostNetwork -}}
+{{- printf "127.0.0.1:%v" .Values.metrics.port -}}
+{{- else -}}
+{{- printf "[::]:%v" .Values.metrics.port -}}
+{{- end -}}
+{{- end -}}
+
 {{/* containerd's socket on the node: containerdSocket, else the runtime preset. */}}
 {{- define "imgbridge.upstream" -}}
 {{- if .Values.containerdSocket -}}
 {{- .Values.containerdSocket -}}
 {{- else -}}
-{{- $p := get .Values.runtimes .Values.runtime -}}
-{{- if not $p -}}
-{{- fail (printf "runtime %q: no such preset (one of: %s)" .Values.runtime (keys .Values.runtimes | sortAlpha | join ", ")) -}}
-{{- end -}}
-{{- required (printf "runtimes.%s.socket" .Values.runtime) $p.socket -}}
+{{- required (printf "runtimes.%s.socket" .Values.runtime) (include "imgbridge.preset" . | fromJson).socket -}}
 {{- end -}}
 {{- end -}}
 
@@ -73,7 +114,7 @@ them are the same in both); import.dirs as an array of inline tables.
 {{- $_ := set $i "state_file" (printf "%s/import-state.json" (.Values.stateDir | trimSuffix "/")) -}}
 {{- $_ := set $c "import" $i -}}
 {{- $m := get $c "metrics" | default dict -}}
-{{- $_ := set $m "listen" (printf "0.0.0.0:%v" .Values.metrics.port) -}}
+{{- $_ := set $m "listen" (include "imgbridge.metricsListen" .) -}}
 {{- $_ := set $c "metrics" $m -}}
 {{- if .Values.registry.enabled -}}
 {{- if not .Values.hostNetwork -}}
@@ -81,6 +122,12 @@ them are the same in both); import.dirs as an array of inline tables.
 {{- end -}}
 {{- $g := get $c "registry" | default dict -}}
 {{- $_ := set $g "listen" (printf "127.0.0.1:%v" .Values.registry.port) -}}
+{{- with .Values.registry.localRegistryHosting.host -}}
+{{- $h := regexReplaceAll ":[0-9]+$" . "" | trimPrefix "[" | trimSuffix "]" -}}
+{{- if not (has $h (list "localhost" "127.0.0.1" "::1")) -}}
+{{- $_ := set $g "hosts" (append (get $g "hosts" | default list) $h | uniq) -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := set $c "registry" $g -}}
 {{- end -}}
 {{- $l := get $c "log" | default dict -}}

@@ -38,6 +38,18 @@ pub struct ContainerdOpts {
     /// layers to others must keep them). Not with `registry_mirror` (1.x
     /// refuses `mirrors` next to `config_path`).
     pub registry_hosts: Vec<(String, String)>,
+    /// With `cri`: a CNI network in the CNI dirs, so CRI reports its
+    /// network ready and a registered kubelet's Node becomes Ready (a node
+    /// without one is NotReady and tainted). The network is Debian's
+    /// `loopback` plugin (containernetworking-plugins): a pod of its own
+    /// network gets `lo` and nothing else, so nothing is routed outside the
+    /// machine; the pods here run on the host's network.
+    pub cni_loopback: bool,
+    /// Its dir is a shared mount (bound over itself), as everything under
+    /// `/` is on a systemd node: a pod mounting containerd's socket dir
+    /// with `mountPropagation: HostToContainer` needs a shared or slave
+    /// source, and this machine's `/` is private.
+    pub shared_mount: bool,
 }
 
 /// A private containerd (the [`flavor`] under test) on sockets in its own temp dir.
@@ -60,6 +72,16 @@ impl Containerd {
         let ttrpc = d.join("containerd.sock.ttrpc");
         let config = d.join("config.toml");
         fs::write(&config, containerd_config(d, &opts)).expect("write containerd config");
+        if opts.shared_mount {
+            for args in [&["--bind"][..], &["--make-shared"][..]] {
+                let mut m = Command::new("mount");
+                m.args(args).arg(d);
+                if args[0] == "--bind" {
+                    m.arg(d);
+                }
+                run_ok(m);
+            }
+        }
         let daemon = Self::spawn(&config, &sock, d, opts.netns.as_deref());
         let mut c = Containerd {
             opts,
@@ -351,6 +373,9 @@ pub(crate) fn containerd_config(d: &Path, opts: &ContainerdOpts) -> String {
             cmd.arg("--certs").arg(&certs).arg("--keep-unpacked-layers");
         }
     }
+    if opts.cri && opts.cni_loopback {
+        write_cni_loopback(d);
+    }
     let out = run_ok(cmd);
     let cfg = String::from_utf8(out.stdout).expect("containerd-config.sh printed UTF-8");
     // The generator and doctor agree on the version this containerd reads.
@@ -374,4 +399,26 @@ fn write_registry_hosts(certs: &Path, opts: &ContainerdOpts) {
         fs::create_dir_all(&dir).expect("create certs.d");
         fs::write(dir.join("hosts.toml"), hosts).expect("write hosts.toml");
     }
+}
+
+/// The CNI network of [`ContainerdOpts::cni_loopback`], in the CNI dirs of
+/// `scripts/lib/containerd-config.sh` (`DIR/cni`).
+fn write_cni_loopback(d: &Path) {
+    const PLUGIN: &str = "/usr/lib/cni/loopback";
+    assert!(
+        Path::new(PLUGIN).is_file(),
+        "{PLUGIN} missing (apt-get install containernetworking-plugins)"
+    );
+    let (bin, conf) = (d.join("cni/bin"), d.join("cni/net.d"));
+    fs::create_dir_all(&bin).expect("cni bin dir");
+    fs::create_dir_all(&conf).expect("cni conf dir");
+    let link = bin.join("loopback");
+    if !link.exists() {
+        std::os::unix::fs::symlink(PLUGIN, &link).expect("link the loopback plugin");
+    }
+    fs::write(
+        conf.join("10-loopback.conflist"),
+        r#"{"cniVersion": "1.0.0", "name": "imgbridge-test-lo", "plugins": [{"type": "loopback"}]}"#,
+    )
+    .expect("write the CNI network");
 }

@@ -67,6 +67,10 @@ pub struct KubeletOpts {
     pub endpoint: PathBuf,
     /// More `KubeletConfiguration` fields (YAML lines, top level).
     pub extra: String,
+    /// Registered with an API server through this kubeconfig
+    /// ([`crate::cluster::ControlPlane::kubelet_kubeconfig`]) instead of
+    /// standalone.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 impl KubeletOpts {
@@ -74,7 +78,14 @@ impl KubeletOpts {
         KubeletOpts {
             endpoint: endpoint.to_path_buf(),
             extra: String::new(),
+            kubeconfig: None,
         }
+    }
+
+    /// A kubelet registered as Node [`NODE`] through `kubeconfig`.
+    pub fn registered(mut self, kubeconfig: &Path) -> KubeletOpts {
+        self.kubeconfig = Some(kubeconfig.to_path_buf());
+        self
     }
 
     /// Adds top-level YAML lines to the configuration.
@@ -163,6 +174,12 @@ impl Kubelet {
             .arg(format!("--config={}", config.display()))
             .arg(format!("--root-dir={}", d.join("root").display()))
             .arg(format!("--hostname-override={NODE}"))
+            .args(
+                self.opts
+                    .kubeconfig
+                    .iter()
+                    .map(|k| format!("--kubeconfig={}", k.display())),
+            )
             // Events are logged at 3; its HTTP log would be a line a poll.
             .args(["--v=3", "--vmodule=httplog=2"]);
         let log = d.join("kubelet.log");

@@ -1,7 +1,7 @@
 //! imgbridge's integration-test harness: private containerd daemons, a
 //! loopback registry, offline-built test images, the imgbridge launcher,
 //! `ctr` wrappers, async containerd / CRI gRPC helpers and the real clients
-//! (buildkit, nerdctl, crictl, kubelet, spegel).
+//! (buildkit, nerdctl, crictl, kubelet, spegel) and a control plane.
 //!
 //! A crate of its own (as h2's `tests/h2-support`), a dev-dependency of
 //! imgbridge: built once rather than into every test binary, and what a
@@ -46,6 +46,7 @@
 //! panics with the tail of the relevant daemon log when the deadline passes.
 
 pub mod bridge;
+pub mod cluster;
 pub mod containerd;
 pub mod cri;
 pub mod ctr;

@@ -224,7 +224,29 @@ pub fn run_ok(cmd: Command) -> Output {
     out
 }
 
+/// A TCP port free on loopback for a daemon to listen on, below the
+/// kernel's ephemeral range: a port `bind(0)` hands out is from that range,
+/// so between this call and the daemon's bind any outgoing connection (a
+/// control plane makes hundreds) could take it as its source port.
 pub fn free_port() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32768);
+    let (from, to) = (10_000u64, low.max(10_001));
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() as u64)
+        .unwrap_or(0)
+        ^ (std::process::id() as u64).wrapping_mul(0x9e37_79b9);
+    for _ in 0..1000 {
+        let n = NEXT.fetch_add(7919, Ordering::Relaxed).wrapping_add(seed);
+        let port = (from + n % (to - from)) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

@@ -1,0 +1,401 @@
+//! The chart as a cluster operator runs it: a real one-node control plane
+//! (etcd, kube-apiserver, kube-controller-manager, kube-scheduler; see
+//! `imgbridge_test_support::cluster`), the real kubelet registered as its
+//! Node, and `helm install` of `charts/imgbridge` with the project's image
+//! imported into `k8s.io` as docs/install.md says. The DaemonSet
+//! controller makes the pod; `helm test` runs doctor on the node.
+//!
+//! Then the developer's loop as Tilt or Skaffold drive it: buildkitd builds
+//! through the pod's socket and a Deployment is pointed at the fresh tag,
+//! ten rounds, each rolling out with no pull (`IfNotPresent`, `Never`, and
+//! with `imagePullSecrets` under KEP-2535's credential verification).
+//! `helm uninstall` leaves the node's containerd and the running pods as
+//! they were.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use imgbridge_test_support::cluster::{ControlPlane, CLUSTER_TIMEOUT};
+use imgbridge_test_support::containerd::{Containerd, ContainerdOpts};
+use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts};
+use imgbridge_test_support::peers::{peer, Buildkitd};
+use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::project::{project_image, ProjectImage};
+use imgbridge_test_support::util::{output_with_timeout, TOOL_TIMEOUT};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+
+const NS: &str = "kube-system";
+const RELEASE: &str = "imgbridge";
+/// The dev loop's Deployment (namespace `default`).
+const APP: &str = "dev-app";
+
+/// helm as the admin, with its own config, cache and data dirs.
+struct Helm {
+    bin: PathBuf,
+    kubeconfig: PathBuf,
+    home: TempDir,
+}
+
+impl Helm {
+    fn new(cp: &ControlPlane) -> Option<Helm> {
+        Some(Helm {
+            bin: peer("helm")?.bin_dir.join("helm"),
+            kubeconfig: cp.kubeconfig(),
+            home: tempdir("helm-home-"),
+        })
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let h = self.home.path();
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("HELM_CONFIG_HOME", h.join("config"))
+            .env("HELM_CACHE_HOME", h.join("cache"))
+            .env("HELM_DATA_HOME", h.join("data"));
+        output_with_timeout(
+            cmd,
+            TOOL_TIMEOUT.max(CLUSTER_TIMEOUT + Duration::from_secs(30)),
+        )
+    }
+
+    fn ok(&self, args: &[&str], cp: &ControlPlane) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "helm {args:?} failed:\n{}{}\n--- pods ---\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            cp.kubectl_ok(&["get", "pods", "-A", "-o", "wide"])
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+/// The node's paths the chart's pod uses, under one temp dir.
+struct Node {
+    dir: TempDir,
+    metrics: u16,
+}
+
+impl Node {
+    fn new() -> Node {
+        Node {
+            dir: tempdir("node-"),
+            metrics: free_port(),
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("run-imgbridge/containerd.sock")
+    }
+
+    /// The chart's values for this node and `image`: `--set-string` for
+    /// paths and names, `--set` for typed values.
+    fn values(&self, c: &Containerd, image: &ProjectImage) -> Vec<String> {
+        let d = self.dir.path();
+        let strings = [
+            format!("containerdSocket={}", c.socket().display()),
+            format!("containerdConfig={}", c.config_path().display()),
+            format!("image.tag={}", image.tag),
+            format!("socket.dir={}", d.join("run-imgbridge").display()),
+            format!("stateDir={}", d.join("state").display()),
+        ];
+        let typed = [
+            "hostNetwork=true".to_string(),
+            format!("metrics.port={}", self.metrics),
+            "test.enabled=true".into(),
+            // A replica in k8s.io when buildctl returns is the proxied
+            // write's doing, not the catch-up pass's.
+            "config.reconcile.enabled=false".into(),
+        ];
+        let flag = |f: &'static str| move |v: String| [f.to_string(), v];
+        strings
+            .into_iter()
+            .flat_map(flag("--set-string"))
+            .chain(typed.into_iter().flat_map(flag("--set")))
+            .collect()
+    }
+}
+
+/// A cluster of one node: containerd with CRI, the control plane, and the
+/// kubelet registered and Ready.
+struct Cluster {
+    c: Containerd,
+    cp: ControlPlane,
+    k: Kubelet,
+}
+
+impl Cluster {
+    fn start() -> Option<Cluster> {
+        let c = Containerd::start(ContainerdOpts {
+            cri: true,
+            cni_loopback: true,
+            shared_mount: true,
+            ..Default::default()
+        });
+        let cp = ControlPlane::start()?;
+        let k = Kubelet::start(
+            KubeletOpts::new(c.socket())
+                .registered(&cp.kubelet_kubeconfig())
+                // KEP-2535 on, at the default policy
+                // (NeverVerifyPreloadedImages), as on a 1.35+ node.
+                .with("featureGates:\n  KubeletEnsureSecretPulledImages: true\n"),
+        )?;
+        let started = Instant::now();
+        cp.wait_node_ready();
+        eprintln!("node Ready in {:?}", started.elapsed());
+        Some(Cluster { c, cp, k })
+    }
+}
+
+/// `helm install`, `helm test`, ten rounds of build → Deployment, then
+/// `helm uninstall` with the workload untouched.
+#[test]
+fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
+    let Some(cl) = Cluster::start() else { return };
+    let Some(helm) = Helm::new(&cl.cp) else {
+        return;
+    };
+    let (c, cp, k) = (&cl.c, &cl.cp, &cl.k);
+    let image = project_image("");
+    ctr_import(c.socket(), "k8s.io", &image.archive);
+    let node = Node::new();
+
+    let started = Instant::now();
+    let mut install = vec![
+        "install",
+        RELEASE,
+        concat!(env!("CARGO_MANIFEST_DIR"), "/charts/imgbridge"),
+        "-n",
+        NS,
+        "--wait",
+        "--timeout",
+        "3m",
+    ];
+    let values = node.values(c, &image);
+    install.extend(values.iter().map(String::as_str));
+    helm.ok(&install, cp);
+    let ds = cp
+        .get(&["-n", NS, "get", "daemonset", RELEASE])
+        .expect("the DaemonSet");
+    assert_eq!(
+        (
+            ds["status"]["desiredNumberScheduled"].as_u64(),
+            ds["status"]["numberReady"].as_u64()
+        ),
+        (Some(1), Some(1)),
+        "DaemonSet status: {}",
+        ds["status"]
+    );
+    let pod = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
+    assert_eq!(pod["spec"]["nodeName"], "imgbridge-node");
+    let ds_pod = pod["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let pulls: Vec<String> = cp
+        .events(NS, &ds_pod)
+        .into_iter()
+        .filter(|e| e.starts_with("Pulling"))
+        .collect();
+    assert!(
+        pulls.is_empty(),
+        "the chart's pod pulled its image: {pulls:?}"
+    );
+    eprintln!(
+        "helm install → DaemonSet pod Ready in {:?}",
+        started.elapsed()
+    );
+
+    // (Its log from kubelet's files: the API server cannot reach this
+    // kubelet, which serves on loopback only.)
+    let test = helm.ok(&["test", RELEASE, "-n", NS, "--timeout", "2m"], cp);
+    assert!(
+        test.contains("Phase:          Succeeded"),
+        "helm test:\n{test}"
+    );
+    let doctor = cp
+        .get(&["-n", NS, "get", "pod", &format!("{RELEASE}-doctor")])
+        .expect("the doctor pod");
+    let report = k.log_of(&doctor, "doctor");
+    // The node's containerd config, mounted by the chart (CRI's sandbox
+    // image on 2.x is read from it), not another file or none.
+    let config_line = format!("containerd config: {} has", c.config_path().display());
+    assert!(
+        report.contains(&config_line),
+        "doctor did not read this containerd's config ({config_line}):\n{report}"
+    );
+
+    // The dev loop: each round a new tag, built through the pod's socket.
+    let reg = Registry::start();
+    let Some(bk) = Buildkitd::start(&node.socket(), "buildkit", Some(&reg.addr())) else {
+        return;
+    };
+    cp.kubectl_ok(&[
+        "create",
+        "secret",
+        "docker-registry",
+        "regcred",
+        "--docker-server=registry.invalid",
+        "--docker-username=dev",
+        "--docker-password=secret",
+    ]);
+    let mut took = Vec::new();
+    let mut last = None;
+    for round in 1..=10 {
+        let content = unique_name(&format!("round-{round}"));
+        let image = build_scratch(&bk, &round.to_string(), &content);
+        let built = Instant::now();
+        // IfNotPresent (a tag's default), Never, and with a pull secret.
+        let (policy, secret) = match round % 3 {
+            1 => ("IfNotPresent", false),
+            2 => ("Never", false),
+            _ => ("IfNotPresent", true),
+        };
+        cp.apply(&deployment(&image, policy, secret));
+        let p = wait_app_running(cp, k, &image, &content);
+        took.push(built.elapsed());
+        let name = p["metadata"]["name"].as_str().unwrap_or_default();
+        let events = cp.events("default", name);
+        assert!(
+            !events.iter().any(|e| e.starts_with("Pulling")
+                || e.contains("ErrImageNeverPull")
+                || e.starts_with("Failed")),
+            "round {round} ({policy}, secret: {secret}): {events:?}"
+        );
+        // The rollout ends with the old pod gone (1 s grace).
+        poll(CLUSTER_TIMEOUT, || {
+            let pods = cp.get(&["-n", "default", "get", "pods", "-l", &format!("app={APP}")])?;
+            (pods["items"].as_array()?.len() == 1).then_some(())
+        })
+        .unwrap_or_else(|| panic!("round {round}: the old pods of {APP} never went"));
+        last = Some(p);
+    }
+    took.sort();
+    eprintln!(
+        "dev loop: build done → Deployment pod running, 10 rounds: p50 {:?}, max {:?}",
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+
+    // helm uninstall: the DaemonSet's pod goes; the app keeps running, the
+    // node's containerd keeps answering and keeps the images.
+    let app = last.expect("a round ran");
+    let app_id = container_id(&app);
+    helm.ok(
+        &["uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m"],
+        cp,
+    );
+    poll(CLUSTER_TIMEOUT, || {
+        let pods = cp.get(&[
+            "-n",
+            NS,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=imgbridge",
+        ])?;
+        pods["items"].as_array()?.is_empty().then_some(())
+    })
+    .expect("the DaemonSet's pod is gone after helm uninstall");
+    let now = one_pod(cp, "default", &format!("app={APP}"));
+    assert_eq!(
+        (
+            container_id(&now),
+            now["status"]["containerStatuses"][0]["restartCount"].as_u64()
+        ),
+        (app_id, Some(0)),
+        "the app's container changed across helm uninstall"
+    );
+    assert!(
+        c.ctr("default", ["version"]).status.success(),
+        "containerd stopped answering"
+    );
+    assert!(!node.socket().exists(), "the pod left its socket behind");
+    drop(bk);
+}
+
+/// The one pod matching `selector` in `ns`.
+fn one_pod(cp: &ControlPlane, ns: &str, selector: &str) -> Value {
+    let pods = cp
+        .get(&["-n", ns, "get", "pods", "-l", selector])
+        .expect("list pods");
+    let items = pods["items"].as_array().cloned().unwrap_or_default();
+    assert_eq!(items.len(), 1, "pods of {selector}: {items:?}");
+    items.into_iter().next().unwrap()
+}
+
+fn container_id(pod: &Value) -> String {
+    pod["status"]["containerStatuses"][0]["containerID"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn busybox() -> Vec<u8> {
+    std::fs::read("/bin/busybox").expect("static busybox (busybox-static)")
+}
+
+/// Builds `docker.io/library/dev-app:<tag>` holding busybox and `/v` =
+/// `content` (FROM scratch: nothing to fetch).
+fn build_scratch(bk: &Buildkitd, tag: &str, content: &str) -> String {
+    bk.build(
+        "FROM scratch\nCOPY --chmod=755 busybox /bin/busybox\nCOPY v /v\n",
+        &[("busybox", &busybox()), ("v", content.as_bytes())],
+        &format!("type=image,name=docker.io/library/{APP}:{tag}"),
+        &[],
+    );
+    format!("{APP}:{tag}")
+}
+
+/// The dev loop's Deployment, pointed at `image`.
+fn deployment(image: &str, policy: &str, secret: bool) -> Value {
+    let mut spec = json!({
+        "hostNetwork": true,
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{
+            "name": "app",
+            "image": image,
+            "imagePullPolicy": policy,
+            "command": ["/bin/busybox", "sh", "-c", "cat /v; echo; exec /bin/busybox sleep 100000"],
+        }],
+    });
+    if secret {
+        spec["imagePullSecrets"] = json!([{"name": "regcred"}]);
+    }
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": APP, "namespace": "default"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": APP}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": {"app": APP}}, "spec": spec},
+        },
+    })
+}
+
+/// Waits until the Deployment's pod of `image` runs and printed `content`.
+fn wait_app_running(cp: &ControlPlane, k: &Kubelet, image: &str, content: &str) -> Value {
+    poll(CLUSTER_TIMEOUT, || {
+        let pods = cp.get(&["-n", "default", "get", "pods", "-l", &format!("app={APP}")])?;
+        pods["items"].as_array()?.iter().find_map(|p| {
+            let st = &p["status"]["containerStatuses"][0];
+            let running = p["spec"]["containers"][0]["image"] == image
+                && st["state"]["running"].is_object()
+                && p["metadata"]["deletionTimestamp"].is_null();
+            (running && k.log_of(p, "app").contains(content)).then(|| p.clone())
+        })
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no pod of {image} running within {CLUSTER_TIMEOUT:?}:\n{}\n--- kubelet ---\n{}",
+            cp.kubectl_ok(&["-n", "default", "get", "pods,events", "-o", "wide"]),
+            k.log_tail()
+        )
+    })
+}
