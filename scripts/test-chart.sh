@@ -105,7 +105,8 @@ ds="$(obj DaemonSet "$out")"
 jq -e '.spec.template.spec as $s
     | $s.hostNetwork == true and $s.priorityClassName == "custom"
       and $s.containers[0].image == "imgbridge@'"$zero_digest"'"
-      and $s.containers[0].ports[0].containerPort == 9555
+      and ($s.containers[0].ports == null)
+      and $s.containers[0].readinessProbe.httpGet.port == 9555
       and ([$s.volumes[] | select(.hostPath.path == "/etc/group")] | length == 1)
       and ([$s.volumes[] | select(.hostPath.path == "/srv/images" and .hostPath.type == "DirectoryOrCreate")] | length == 1)
       and ([$s.containers[0].volumeMounts[] | select(.mountPath == "/srv/images")] | length == 1)' <<<"$ds" >/dev/null ||
@@ -191,6 +192,17 @@ done
 [[ "$(render --set-string containerdConfig=- | jq -c 'select(.kind == "DaemonSet") | [.spec.template.spec.volumes[] | select(.name == "containerd-config")]')" == "[]" ]] ||
     fail "containerdConfig=- still mounts containerd's config"
 ok "securityContext (seLinuxOptions) merged over the defaults, podSecurityContext, extraEnv/Volumes/Mounts, containerdConfig=-"
+
+# Upgrades: the surge pod takes the socket over; on the node's network no
+# container ports (host ports a surge pod could not share).
+ds="$(render | jq -c 'select(.kind == "DaemonSet")')"
+jq -e '.spec.updateStrategy.rollingUpdate == {maxSurge: 1, maxUnavailable: 0}
+    and .spec.template.spec.containers[0].ports[0].containerPort == 9464' <<<"$ds" >/dev/null ||
+    fail "upgrade strategy / pod-network ports: $ds"
+grep -qxF 'socket_handover = true' <(cfg_of) || fail "config.toml lacks socket_handover = true"
+[[ "$(render --set hostNetwork=true | jq -c 'select(.kind == "DaemonSet") | .spec.template.spec.containers[0].ports')" == null ]] ||
+    fail "host-network pod declares ports (host ports)"
+ok "upgrades: maxSurge 1 / maxUnavailable 0 with socket_handover; no host ports on the node's network"
 
 # The helm test pod is not the DaemonSet's: its controller would adopt and
 # delete a pod matching its selector.

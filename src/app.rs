@@ -62,7 +62,7 @@ pub async fn serve(
     // the parts wired below.
     let ops = Ops::new(config.clone());
     if !config.metrics.listen.is_empty() {
-        let l = ops::http::bind(&config.metrics.listen).await?;
+        let l = ops::http::bind(&config.metrics.listen, config.socket_handover).await?;
         tasks.push(tokio::spawn(ops::http::serve(l, ops.clone(), stop.clone())));
     }
 
@@ -122,7 +122,7 @@ async fn start_registry(
         return Ok(None);
     }
     // Bound before the proxy serves: a port in use fails the start.
-    let l = crate::registry::bind(&config.registry.listen).await?;
+    let l = crate::registry::bind(&config.registry.listen, config.socket_handover).await?;
     let local = l
         .local_addr()
         .map_err(|source| crate::registry::BindError::new(&config.registry.listen, source))?;

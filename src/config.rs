@@ -40,6 +40,10 @@ pub struct Config {
     pub socket_group: String,
     /// Also relay `<listen>.ttrpc` to `<upstream>.ttrpc`.
     pub ttrpc: bool,
+    /// A live socket at `listen` is taken over (bound beside it and renamed
+    /// over it) instead of refused, and the TCP ports are shared with the
+    /// instance before: the chart's surge upgrade (docs/daemonset.md).
+    pub socket_handover: bool,
     /// How long in-flight calls may finish after SIGTERM.
     #[serde(with = "duration")]
     pub drain_timeout: Duration,
@@ -240,6 +244,7 @@ impl Default for Config {
             socket_mode: "0660".into(),
             socket_group: String::new(),
             ttrpc: true,
+            socket_handover: false,
             drain_timeout: Duration::from_secs(10),
             replication: Replication::default(),
             reconcile: Reconcile::default(),

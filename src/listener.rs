@@ -1,9 +1,12 @@
-//! Creating imgbridge's Unix sockets safely: the proxy's socket and the
-//! operations endpoint's (`ops::http`) alike.
+//! Creating imgbridge's listening sockets: the proxy's Unix socket and the
+//! operations endpoint's (`ops::http`) alike, and the TCP ports of the
+//! operations and registry endpoints.
 //!
 //! The socket is as powerful as containerd's own, so it is created 0660
 //! root:root unless configured otherwise. A stale socket file is replaced; a
-//! live one (someone answers) makes start-up fail instead of stealing it.
+//! live one (someone answers) makes start-up fail instead of stealing it,
+//! unless a handover was configured ([`bind_or_take_over`],
+//! docs/daemonset.md "Upgrades").
 
 use std::os::unix::fs::{chown, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -92,6 +95,82 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
     })?;
     apply_perms(path, perms)?;
     Ok(listener)
+}
+
+/// Binds `path` like [`bind`], but a live socket there is taken over
+/// rather than refused: the new socket is bound beside it, in the same
+/// directory, and renamed over it, an atomic replacement. Every connect
+/// from then on reaches this instance; the one before keeps the
+/// connections it has (its listener, no longer reachable by any path,
+/// gets no new ones) until it drains, and its [`SocketFile`] leaves this
+/// file alone. So a DaemonSet's surge pod upgrades a node with no moment
+/// without a socket (`socket_handover`, docs/daemonset.md "Upgrades").
+pub fn bind_or_take_over(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError> {
+    let live = std::fs::symlink_metadata(path).is_ok_and(|m| {
+        use std::os::unix::fs::FileTypeExt;
+        m.file_type().is_socket()
+    }) && std::os::unix::net::UnixStream::connect(path).is_ok();
+    if !live {
+        return bind(path, perms);
+    }
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let beside = path.with_file_name(format!(".{name}.{}.handover", std::process::id()));
+    let err = |source| ListenError::Bind {
+        path: path.into(),
+        source,
+    };
+    // A file left by an instance of this pid that died in between.
+    let _ = std::fs::remove_file(&beside);
+    let listener = bind_narrow(&beside, perms.mode).map_err(err)?;
+    let placed = apply_perms(&beside, perms).and_then(|()| {
+        std::fs::rename(&beside, path).map_err(|source| ListenError::Bind {
+            path: path.into(),
+            source,
+        })
+    });
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&beside);
+        return Err(e);
+    }
+    tracing::info!(socket = %path.display(), "took the socket over from the instance serving it (handover): it keeps its connections, new ones come here");
+    Ok(listener)
+}
+
+/// Binds TCP `addr` (`host:port`). With `shared`, `SO_REUSEPORT`: the
+/// instance before a handover still holds the port while its successor
+/// starts beside it (both must set it; the kernel spreads new connections
+/// over both until the old one closes). `[::]` on a kernel without IPv6
+/// falls back to `0.0.0.0`, every IPv4 address, as the wildcard it is.
+pub async fn bind_tcp(addr: &str, shared: bool) -> std::io::Result<tokio::net::TcpListener> {
+    let mut sa = tokio::net::lookup_host(addr)
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address"))?;
+    let socket = match tcp_socket(sa) {
+        Err(e) if sa.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+            tracing::info!(listen = addr, error = %e, "no IPv6 here: listening on 0.0.0.0 instead");
+            sa.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
+            tcp_socket(sa)?
+        }
+        r => r?,
+    };
+    // As tokio's TcpListener::bind: a port in TIME_WAIT is bindable.
+    socket.set_reuseaddr(true)?;
+    if shared {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(sa)?;
+    socket.listen(1024)
+}
+
+fn tcp_socket(sa: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    match sa {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
 }
 
 /// Binds and listens with the socket file born no wider than `mode`: the
@@ -256,5 +335,70 @@ mod tests {
         drop(old_file);
         drop(old);
         assert!(p.exists(), "the next instance's socket stays");
+    }
+
+    /// A handover: the successor binds over the live socket; the old
+    /// instance's connection keeps working, every new connect reaches the
+    /// successor, and the old instance's file cleanup leaves the new file.
+    #[tokio::test]
+    async fn a_live_socket_is_taken_over_without_a_gap() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.sock");
+        let old = bind(&p, SocketPerms::default()).unwrap();
+        let old_file = SocketFile::new(&p);
+        let mut before = tokio::net::UnixStream::connect(&p).await.unwrap();
+        let (mut served, _) = old.accept().await.unwrap();
+
+        // Refused without a handover, taken over with one.
+        assert!(matches!(
+            bind(&p, SocketPerms::default()),
+            Err(ListenError::InUse(_))
+        ));
+        let new = bind_or_take_over(
+            &p,
+            SocketPerms {
+                mode: 0o600,
+                gid: None,
+            },
+        )
+        .unwrap();
+        let new_file = SocketFile::new(&p);
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o600);
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            leftovers,
+            vec![std::ffi::OsString::from("s.sock")],
+            "only the socket"
+        );
+
+        let _after = tokio::net::UnixStream::connect(&p).await.unwrap();
+        let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), new.accept()).await;
+        assert!(accepted.is_ok(), "a new connect reaches the successor");
+        before.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        served.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping", "the old connection still works");
+
+        drop(old_file);
+        drop(old);
+        assert!(p.exists(), "the old instance left the successor's socket");
+        drop(new_file);
+        assert!(!p.exists());
+        drop(new);
+    }
+
+    #[tokio::test]
+    async fn a_shared_tcp_port_binds_twice_only_when_both_share() {
+        let a = bind_tcp("127.0.0.1:0", true).await.unwrap();
+        let port = a.local_addr().unwrap().port();
+        assert!(bind_tcp(&format!("127.0.0.1:{port}"), false).await.is_err());
+        assert!(bind_tcp(&format!("127.0.0.1:{port}"), true).await.is_ok());
+        let b = bind_tcp("127.0.0.1:0", false).await.unwrap();
+        let port = b.local_addr().unwrap().port();
+        assert!(bind_tcp(&format!("127.0.0.1:{port}"), true).await.is_err());
     }
 }

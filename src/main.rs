@@ -453,13 +453,18 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
             None => {
                 // ttrpc first: once the gRPC socket accepts, both are up
                 // (clients, and the tests, wait for that one).
+                let bind = if c.socket_handover {
+                    listener::bind_or_take_over
+                } else {
+                    listener::bind
+                };
                 let mut ttrpc = Vec::new();
                 if c.ttrpc {
                     let path = imgbridge::app::ttrpc_path(&c.listen);
-                    ttrpc.push(listener::bind(&path, perms)?);
+                    ttrpc.push(bind(&path, perms)?);
                     files.push(SocketFile::new(&path));
                 }
-                let l = listener::bind(&c.listen, perms)?;
+                let l = bind(&c.listen, perms)?;
                 files.push(SocketFile::new(&c.listen));
                 (vec![l], ttrpc)
             }

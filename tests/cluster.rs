@@ -151,6 +151,39 @@ impl Cluster {
     }
 }
 
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/imgbridge");
+
+/// `helm install` of the chart for `node` and `image` (`--wait`); the
+/// DaemonSet's one pod is Ready.
+fn install(helm: &Helm, cl: &Cluster, node: &Node, image: &ProjectImage) {
+    let mut args = vec![
+        "install",
+        RELEASE,
+        CHART,
+        "-n",
+        NS,
+        "--wait",
+        "--timeout",
+        "3m",
+    ];
+    let values = node.values(&cl.c, image);
+    args.extend(values.iter().map(String::as_str));
+    helm.ok(&args, &cl.cp);
+    let ds = cl
+        .cp
+        .get(&["-n", NS, "get", "daemonset", RELEASE])
+        .expect("the DaemonSet");
+    assert_eq!(
+        (
+            ds["status"]["desiredNumberScheduled"].as_u64(),
+            ds["status"]["numberReady"].as_u64()
+        ),
+        (Some(1), Some(1)),
+        "DaemonSet status: {}",
+        ds["status"]
+    );
+}
+
 /// `helm install`, `helm test`, ten rounds of build → Deployment, then
 /// `helm uninstall` with the workload untouched.
 #[test]
@@ -165,31 +198,7 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
     let node = Node::new();
 
     let started = Instant::now();
-    let mut install = vec![
-        "install",
-        RELEASE,
-        concat!(env!("CARGO_MANIFEST_DIR"), "/charts/imgbridge"),
-        "-n",
-        NS,
-        "--wait",
-        "--timeout",
-        "3m",
-    ];
-    let values = node.values(c, &image);
-    install.extend(values.iter().map(String::as_str));
-    helm.ok(&install, cp);
-    let ds = cp
-        .get(&["-n", NS, "get", "daemonset", RELEASE])
-        .expect("the DaemonSet");
-    assert_eq!(
-        (
-            ds["status"]["desiredNumberScheduled"].as_u64(),
-            ds["status"]["numberReady"].as_u64()
-        ),
-        (Some(1), Some(1)),
-        "DaemonSet status: {}",
-        ds["status"]
-    );
+    install(&helm, &cl, &node, &image);
     let pod = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
     assert_eq!(pod["spec"]["nodeName"], "imgbridge-node");
     let ds_pod = pod["metadata"]["name"]
@@ -255,7 +264,7 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
             2 => ("Never", false),
             _ => ("IfNotPresent", true),
         };
-        cp.apply(&deployment(&image, policy, secret));
+        cp.apply(&deployment(&image, "/v", policy, secret));
         let p = wait_app_running(cp, k, &image, &content);
         took.push(built.elapsed());
         let name = p["metadata"]["name"].as_str().unwrap_or_default();
@@ -351,8 +360,8 @@ fn build_scratch(bk: &Buildkitd, tag: &str, content: &str) -> String {
     format!("{APP}:{tag}")
 }
 
-/// The dev loop's Deployment, pointed at `image`.
-fn deployment(image: &str, policy: &str, secret: bool) -> Value {
+/// The dev loop's Deployment, pointed at `image`, printing `file`.
+fn deployment(image: &str, file: &str, policy: &str, secret: bool) -> Value {
     let mut spec = json!({
         "hostNetwork": true,
         "terminationGracePeriodSeconds": 1,
@@ -360,7 +369,7 @@ fn deployment(image: &str, policy: &str, secret: bool) -> Value {
             "name": "app",
             "image": image,
             "imagePullPolicy": policy,
-            "command": ["/bin/busybox", "sh", "-c", "cat /v; echo; exec /bin/busybox sleep 100000"],
+            "command": ["/bin/busybox", "sh", "-c", format!("cat {file}; echo; exec /bin/busybox sleep 100000")],
         }],
     });
     if secret {
@@ -398,4 +407,178 @@ fn wait_app_running(cp: &ControlPlane, k: &Kubelet, image: &str, content: &str) 
             k.log_tail()
         )
     })
+}
+
+/// `helm upgrade` to a new image under a client loop on the node's socket
+/// (a plain connect and a `ctr version` every 50 ms):
+/// the surge pod takes the socket over from the old one (bound beside it,
+/// renamed over it), which keeps its connections and drains. No call of the
+/// loop fails, and a build whose write is in flight across the handover
+/// completes through the old pod, its image in `k8s.io` when it returns.
+#[test]
+fn helm_upgrade_hands_the_socket_over_with_no_gap() {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let Some(cl) = Cluster::start() else { return };
+    let Some(helm) = Helm::new(&cl.cp) else {
+        return;
+    };
+    let (c, cp, k) = (&cl.c, &cl.cp, &cl.k);
+    let (v1, v2) = (project_image(""), project_image("-next"));
+    for img in [&v1, &v2] {
+        ctr_import(c.socket(), "k8s.io", &img.archive);
+    }
+    let node = Node::new();
+    install(&helm, &cl, &node, &v1);
+    let old = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
+
+    let reg = Registry::start();
+    let Some(bk) = Buildkitd::start(&node.socket(), "buildkit", Some(&reg.addr())) else {
+        return;
+    };
+    // FROM a base in the registry with only a LABEL: buildkit names the
+    // image, then writes the base's layers it never fetched (the second is
+    // 96 MiB). It is frozen in the middle of that write.
+    let base = TestImage::build("up-base:1", 1, &[], 96 << 20);
+    let base_ref = base.push(&reg.addr());
+    let name = format!("docker.io/library/{APP}:upgrade");
+    let sock = node.socket();
+    let inode = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.ino()).ok();
+    let stop = AtomicBool::new(false);
+    let oks = AtomicU32::new(0);
+    let (calls, built, handed_over) = std::thread::scope(|s| {
+        // Clients on the node's socket, new connections every 50 ms.
+        let client = s.spawn(|| {
+            let (mut ok, mut failed, mut longest, mut last) =
+                (0u32, Vec::new(), Duration::ZERO, Instant::now());
+            while !stop.load(Ordering::Relaxed) {
+                // A client that does not redial: one connect, refused or not
+                // (ctr's own dial waits for a socket to come back).
+                if let Err(e) = std::os::unix::net::UnixStream::connect(&sock) {
+                    failed.push(format!("connect: {e}"));
+                }
+                let out = imgbridge_test_support::ctr::ctr(&sock, "default", ["version"]);
+                if out.status.success() {
+                    ok += 1;
+                    oks.fetch_add(1, Ordering::Relaxed);
+                    longest = longest.max(last.elapsed());
+                    last = Instant::now();
+                } else {
+                    failed.push(String::from_utf8_lossy(&out.stderr).into_owned());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (ok, failed, longest)
+        });
+        let build = s.spawn(|| {
+            bk.build(
+                &format!("FROM {base_ref}\nLABEL round=upgrade\n"),
+                &[],
+                &format!("type=image,name={name}"),
+                &[],
+            );
+            Instant::now()
+        });
+        let frozen = poll(Duration::from_secs(60), || {
+            let named = c.ctr("buildkit", ["images", "ls", "-q"]);
+            let named = String::from_utf8_lossy(&named.stdout)
+                .lines()
+                .any(|l| l == name);
+            (named && c.ingests("buildkit").iter().any(|&o| o > 2 << 20)).then(|| bk.freeze())
+        });
+        if frozen.is_none() {
+            bk.thaw();
+            stop.store(true, Ordering::Relaxed);
+            panic!("the build never wrote its lazy layer:\n{}", bk.log_tail());
+        }
+        let before = inode(&sock);
+        let upgrade = Instant::now();
+        let tag = format!("image.tag={}", v2.tag);
+        helm.ok(
+            &[
+                "upgrade",
+                RELEASE,
+                CHART,
+                "-n",
+                NS,
+                "--reuse-values",
+                "--set-string",
+                &tag,
+            ],
+            cp,
+        );
+        // The surge pod's socket replaces the old one's: then the frozen
+        // write goes on, through the old pod that holds its connection.
+        let handed_over = poll(CLUSTER_TIMEOUT, || {
+            let now = inode(&sock);
+            (now.is_some() && now != before).then(|| upgrade.elapsed())
+        });
+        bk.thaw();
+        let handed_over = handed_over.unwrap_or_else(|| {
+            stop.store(true, Ordering::Relaxed);
+            panic!(
+                "no pod took the socket over:\n{}",
+                cp.kubectl_ok(&["-n", NS, "get", "pods,events", "-o", "wide"])
+            )
+        });
+        let built = build.join().expect("the build in flight at the upgrade");
+        // The rollout ends: one pod, the new image, Ready.
+        let new = poll(CLUSTER_TIMEOUT, || {
+            let pods = cp.get(&[
+                "-n",
+                NS,
+                "get",
+                "pods",
+                "-l",
+                "app.kubernetes.io/name=imgbridge",
+            ])?;
+            let items = pods["items"].as_array()?;
+            let p = items.first()?;
+            let ready = p["status"]["containerStatuses"][0]["ready"] == true;
+            (items.len() == 1
+                && ready
+                && p["spec"]["containers"][0]["image"] == format!("imgbridge:{}", v2.tag))
+            .then(|| p.clone())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the rollout did not end:\n{}",
+                cp.kubectl_ok(&["-n", NS, "get", "pods,events", "-o", "wide"])
+            )
+        });
+        // Twenty more calls of the loop on the new pod alone.
+        let seen = oks.load(Ordering::Relaxed);
+        poll(CLUSTER_TIMEOUT, || {
+            (oks.load(Ordering::Relaxed) >= seen + 20).then_some(())
+        })
+        .expect("the client loop stalled on the new pod");
+        stop.store(true, Ordering::Relaxed);
+        assert!(
+            k.log_of(&new, "imgbridge").contains("took the socket over"),
+            "the new pod did not take the socket over:\n{}",
+            k.log_of(&new, "imgbridge")
+        );
+        eprintln!("upgrade: socket handed over {handed_over:?} after helm upgrade; the build returned {:?} after it", built - upgrade);
+        (client.join().expect("the client loop"), built, handed_over)
+    });
+    let (ok, failed, longest) = calls;
+    let _ = (built, handed_over);
+    eprintln!("client loop across the upgrade: {ok} calls ok, {} failed, longest gap between successes {longest:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "calls failed across the upgrade: {failed:?}"
+    );
+    assert_ne!(
+        old["metadata"]["uid"],
+        one_pod(cp, NS, "app.kubernetes.io/name=imgbridge")["metadata"]["uid"]
+    );
+
+    // The build's image was in k8s.io as buildctl returned: it runs.
+    cp.apply(&deployment(
+        &format!("{APP}:upgrade"),
+        "/layer1.txt",
+        "Never",
+        false,
+    ));
+    wait_app_running(cp, k, &format!("{APP}:upgrade"), "layer 1 of up-base:1");
 }

@@ -18,14 +18,11 @@ use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use imgbridge_test_support::grpc::content_client;
 use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
 use imgbridge_test_support::peers::Buildkitd;
 use imgbridge_test_support::prelude::*;
 use imgbridge_test_support::project::{project_image, ProjectImage};
 use imgbridge_test_support::util::run_ok;
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -128,24 +125,6 @@ fn run_at_once(k: &Kubelet, pod: &str, image: &str, file: &str, expect: &str) {
     k.wait_running(pod, image, expect);
 }
 
-/// containerd's in-progress writes in `ns` (offset of each), read on its
-/// own socket.
-fn ingests(rt: &tokio::runtime::Runtime, c: &Containerd, ns: &str) -> Vec<i64> {
-    rt.block_on(async {
-        let mut content = content_client(c.socket()).await;
-        let req = containerd_client::services::v1::ListStatusesRequest::default();
-        content
-            .list_statuses(with_ns(req, ns))
-            .await
-            .map(|r| r.into_inner().statuses.iter().map(|s| s.offset).collect())
-            .unwrap_or_default()
-    })
-}
-
-fn signal(pid: u32, sig: Signal) {
-    kill(Pid::from_raw(pid as i32), sig).expect("signal buildkitd");
-}
-
 fn text_from(s: &str, from: usize) -> &str {
     s.get(from..).unwrap_or_default()
 }
@@ -191,7 +170,6 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
     let base = TestImage::build("ds-base:1", 1, &[], 96 << 20);
     let base_ref = base.push(&reg.addr());
     let name = "docker.io/library/ds-app:2";
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let sock = node.socket();
     let old_log = thread::scope(|s| {
         let build = s.spawn(|| {
@@ -208,14 +186,13 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
             let named = String::from_utf8_lossy(&named.stdout)
                 .lines()
                 .any(|l| l == name);
-            (named && ingests(&rt, &c, "buildkit").iter().any(|&o| o > 2 << 20))
-                .then(|| signal(bk.pid(), Signal::SIGSTOP))
+            (named && c.ingests("buildkit").iter().any(|&o| o > 2 << 20)).then(|| bk.freeze())
         });
         if frozen.is_none() {
-            signal(bk.pid(), Signal::SIGCONT);
+            bk.thaw();
             panic!("the build never wrote its lazy layer:\n{}", bk.log_tail());
         }
-        let in_flight = ingests(&rt, &c, "buildkit");
+        let in_flight = c.ingests("buildkit");
         // Opened now: kubelet removes the old pod's log with the pod.
         let mut old_log = File::open(k.log_path_of(&old, POD)).expect("the old pod's log");
         let upgrade = Instant::now();
@@ -223,7 +200,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
         let released = poll(Duration::from_secs(30), || {
             (!sock.exists()).then(|| upgrade.elapsed())
         });
-        signal(bk.pid(), Signal::SIGCONT);
+        bk.thaw();
         let released = released.unwrap_or_else(|| {
             panic!(
                 "the old pod kept its socket 30 s after the upgrade:\n{}",

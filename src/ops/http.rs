@@ -63,8 +63,9 @@ impl OpsListener {
 }
 
 /// Binds `addr`: a Unix socket when it contains `/` (mode 0660, like the
-/// proxy socket), else a TCP `host:port`.
-pub async fn bind(addr: &str) -> Result<OpsListener, HttpError> {
+/// proxy socket), else a TCP `host:port`, shared with a handover's other
+/// instance when `shared` ([`listener::bind_tcp`]).
+pub async fn bind(addr: &str, shared: bool) -> Result<OpsListener, HttpError> {
     if addr.contains('/') {
         let path = PathBuf::from(addr);
         let l =
@@ -74,7 +75,7 @@ pub async fn bind(addr: &str) -> Result<OpsListener, HttpError> {
             })?;
         Ok(OpsListener::Unix(l, path))
     } else {
-        TcpListener::bind(addr)
+        listener::bind_tcp(addr, shared)
             .await
             .map(OpsListener::Tcp)
             .map_err(|source| HttpError::Tcp {
@@ -208,7 +209,7 @@ mod tests {
         };
         let ops = Ops::new(Arc::new(config));
         let sock = dir.path().join("ops/metrics.sock");
-        let l = bind(sock.to_str().unwrap()).await.unwrap();
+        let l = bind(sock.to_str().unwrap(), false).await.unwrap();
         let stop = CancellationToken::new();
         let task = tokio::spawn(serve(l, ops, stop.clone()));
         let r = get(&sock, "/healthz").await;
@@ -227,7 +228,7 @@ mod tests {
 
     #[tokio::test]
     async fn bad_tcp_address_names_the_key() {
-        let e = bind("not-an-address").await.unwrap_err().to_string();
+        let e = bind("not-an-address", false).await.unwrap_err().to_string();
         assert!(e.contains("metrics.listen"), "{e}");
     }
 }

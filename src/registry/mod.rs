@@ -102,12 +102,15 @@ impl BindError {
     }
 }
 
-/// Binds `registry.listen` (validated as loopback by the config).
-pub async fn bind(addr: &str) -> Result<TcpListener, BindError> {
-    TcpListener::bind(addr).await.map_err(|source| BindError {
-        addr: addr.into(),
-        source,
-    })
+/// Binds `registry.listen` (validated as loopback by the config), shared
+/// with a handover's other instance when `shared`.
+pub async fn bind(addr: &str, shared: bool) -> Result<TcpListener, BindError> {
+    crate::listener::bind_tcp(addr, shared)
+        .await
+        .map_err(|source| BindError {
+            addr: addr.into(),
+            source,
+        })
 }
 
 /// The endpoint's state; shared by its connections.

@@ -106,6 +106,8 @@ them are the same in both); import.dirs as an array of inline tables.
 {{- $_ := set $c "upstream" (include "imgbridge.upstream" .) -}}
 {{- $_ := set $c "socket_mode" (toString .Values.socket.mode) -}}
 {{- $_ := set $c "socket_group" (toString .Values.socket.group) -}}
+{{- /* The surge pod takes the socket over from the old one (docs/daemonset.md). */ -}}
+{{- $_ := set $c "socket_handover" true -}}
 {{- $r := get $c "replication" | default dict -}}
 {{- $_ := set $r "source_namespaces" .Values.replication.sourceNamespaces -}}
 {{- $_ := set $r "target_namespaces" .Values.replication.targetNamespaces -}}

@@ -188,6 +188,21 @@ impl Containerd {
         self.dir.path().join("root")
     }
 
+    /// containerd's in-progress writes in `ns` (the offset of each), read
+    /// on its own socket.
+    pub fn ingests(&self, ns: &str) -> Vec<i64> {
+        let (sock, ns) = (self.sock.clone(), ns.to_string());
+        block_on_thread(async move {
+            let mut content = crate::grpc::content_client(&sock).await;
+            let req = containerd_client::services::v1::ListStatusesRequest::default();
+            content
+                .list_statuses(crate::grpc::with_ns(req, &ns))
+                .await
+                .map(|r| r.into_inner().statuses.iter().map(|s| s.offset).collect())
+                .unwrap_or_default()
+        })
+    }
+
     pub fn config_path(&self) -> &Path {
         &self.config
     }

@@ -382,6 +382,16 @@ impl Buildkitd {
     pub fn pid(&self) -> u32 {
         self.daemon.pid().expect("buildkitd runs")
     }
+
+    /// Freezes buildkitd (SIGSTOP) in the middle of whatever it is doing.
+    pub fn freeze(&self) {
+        self.daemon.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Lets a frozen buildkitd go on (SIGCONT).
+    pub fn thaw(&self) {
+        self.daemon.signal(nix::sys::signal::Signal::SIGCONT);
+    }
 }
 
 /// `buildctl --addr <addr> <args...>`.
