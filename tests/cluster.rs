@@ -298,18 +298,8 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
         &["uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m"],
         cp,
     );
-    poll(CLUSTER_TIMEOUT, || {
-        let pods = cp.get(&[
-            "-n",
-            NS,
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=imgbridge",
-        ])?;
-        pods["items"].as_array()?.is_empty().then_some(())
-    })
-    .expect("the DaemonSet's pod is gone after helm uninstall");
+    poll(CLUSTER_TIMEOUT, || ds_pods(cp)?.is_empty().then_some(()))
+        .expect("the DaemonSet's pod is gone after helm uninstall");
     let now = one_pod(cp, "default", &format!("app={APP}"));
     assert_eq!(
         (
@@ -325,6 +315,19 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
     );
     assert!(!node.socket().exists(), "the pod left its socket behind");
     drop(bk);
+}
+
+/// The DaemonSet's pods (any phase).
+fn ds_pods(cp: &ControlPlane) -> Option<Vec<Value>> {
+    let pods = cp.get(&[
+        "-n",
+        NS,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/name=imgbridge",
+    ])?;
+    pods["items"].as_array().cloned()
 }
 
 /// The one pod matching `selector` in `ns`.
@@ -447,6 +450,9 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     let stop = AtomicBool::new(false);
     let oks = AtomicU32::new(0);
     let (calls, built, handed_over) = std::thread::scope(|s| {
+        // However the scope ends (a panic too), the client loop stops, or
+        // the scope would wait for it forever.
+        let _stop = StopOnDrop(&stop);
         // Clients on the node's socket, new connections every 50 ms.
         let client = s.spawn(|| {
             let (mut ok, mut failed, mut longest, mut last) =
@@ -479,18 +485,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
             );
             Instant::now()
         });
-        let frozen = poll(Duration::from_secs(60), || {
-            let named = c.ctr("buildkit", ["images", "ls", "-q"]);
-            let named = String::from_utf8_lossy(&named.stdout)
-                .lines()
-                .any(|l| l == name);
-            (named && c.ingests("buildkit").iter().any(|&o| o > 2 << 20)).then(|| bk.freeze())
-        });
-        if frozen.is_none() {
-            bk.thaw();
-            stop.store(true, Ordering::Relaxed);
-            panic!("the build never wrote its lazy layer:\n{}", bk.log_tail());
-        }
+        bk.freeze_mid_write(c, "buildkit", &name);
         let before = inode(&sock);
         let upgrade = Instant::now();
         let tag = format!("image.tag={}", v2.tag);
@@ -515,7 +510,6 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
         });
         bk.thaw();
         let handed_over = handed_over.unwrap_or_else(|| {
-            stop.store(true, Ordering::Relaxed);
             panic!(
                 "no pod took the socket over:\n{}",
                 cp.kubectl_ok(&["-n", NS, "get", "pods,events", "-o", "wide"])
@@ -524,15 +518,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
         let built = build.join().expect("the build in flight at the upgrade");
         // The rollout ends: one pod, the new image, Ready.
         let new = poll(CLUSTER_TIMEOUT, || {
-            let pods = cp.get(&[
-                "-n",
-                NS,
-                "get",
-                "pods",
-                "-l",
-                "app.kubernetes.io/name=imgbridge",
-            ])?;
-            let items = pods["items"].as_array()?;
+            let items = ds_pods(cp)?;
             let p = items.first()?;
             let ready = p["status"]["containerStatuses"][0]["ready"] == true;
             (items.len() == 1
@@ -581,4 +567,138 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
         false,
     ));
     wait_app_running(cp, k, &format!("{APP}:upgrade"), "layer 1 of up-base:1");
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// KEP-1755 as a cluster has it: kind's registry script, ctlptl or k3d made
+/// `kube-public/local-registry-hosting` before; `helm install` with the
+/// registry endpoint fails naming the two ways out, and once the ConfigMap
+/// is annotated for adoption as the message says, the release publishes
+/// the endpoint in it. A developer's tool reads it from the API server
+/// (tilt-dev's localregistry-go, ctlptl and Skaffold are not on the module
+/// proxy here: kubectl reads the same fields), pushes to the `host` it
+/// read, and a Deployment naming `hostFromContainerRuntime` runs the image
+/// with no pull.
+#[test]
+fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
+    let Some(cl) = Cluster::start() else { return };
+    let Some(helm) = Helm::new(&cl.cp) else {
+        return;
+    };
+    let Some(crane) = peer("crane") else { return };
+    let (c, cp, k) = (&cl.c, &cl.cp, &cl.k);
+    let image = project_image("");
+    ctr_import(c.socket(), "k8s.io", &image.archive);
+    let node = Node::new();
+    let port = free_port();
+    cp.kubectl_ok(&[
+        "-n",
+        "kube-public",
+        "create",
+        "configmap",
+        "local-registry-hosting",
+        "--from-literal=localRegistryHosting.v1=host: \"localhost:5001\"\n",
+    ]);
+
+    let mut args = vec![
+        "install",
+        RELEASE,
+        CHART,
+        "-n",
+        NS,
+        "--wait",
+        "--timeout",
+        "3m",
+    ];
+    let mut values = node.values(c, &image);
+    values.extend(["--set".into(), "registry.enabled=true".into()]);
+    values.extend(["--set".into(), format!("registry.port={port}")]);
+    args.extend(values.iter().map(String::as_str));
+    let refused = helm.run(&args);
+    let said = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(
+        !refused.status.success()
+            && said.contains("kube-public/local-registry-hosting already exists"),
+        "helm install over an existing local-registry-hosting: {said}"
+    );
+    // The way out the message gives: let this release own it.
+    let adopt = said
+        .split("let this release own it: ")
+        .nth(1)
+        .and_then(|rest| rest.split(" ; then").next())
+        .unwrap_or_else(|| panic!("no adoption command in: {said}"));
+    for cmd in adopt.split(" && ") {
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"kubectl"), "{cmd}");
+        cp.kubectl_ok(&words[1..]);
+    }
+    assert!(said.contains("--force-conflicts"), "{said}");
+    args.push("--force-conflicts");
+    helm.ok(&args, cp);
+
+    // What a tool reads from the API server.
+    let cm = cp
+        .get(&[
+            "-n",
+            "kube-public",
+            "get",
+            "configmap",
+            "local-registry-hosting",
+        ])
+        .expect("the ConfigMap");
+    let v1 = cm["data"]["localRegistryHosting.v1"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let field = |key: &str| {
+        v1.lines()
+            .find_map(|l| l.trim().strip_prefix(&format!("{key}: ")))
+            .map(|v| v.trim_matches('"').to_string())
+            .unwrap_or_else(|| panic!("localRegistryHosting.v1 has no {key}:\n{v1}"))
+    };
+    let (host, runtime_host, help) = (
+        field("host"),
+        field("hostFromContainerRuntime"),
+        field("help"),
+    );
+    assert_eq!(
+        (host.as_str(), runtime_host.as_str()),
+        (
+            format!("localhost:{port}").as_str(),
+            format!("localhost:{port}").as_str()
+        )
+    );
+    assert!(help.starts_with("https://"), "help: {help}");
+
+    // Push where it says, run what the runtime is told to pull.
+    let img = TestImage::hello("kep-app:1");
+    let mut push = crane.command("crane");
+    push.args(["push", "--insecure"])
+        .arg(img.docker_archive())
+        .arg(format!("{host}/kep-app:1"));
+    imgbridge_test_support::util::run_ok(push);
+    let pod_image = format!("{runtime_host}/kep-app:1");
+    cp.apply(&deployment(
+        &pod_image,
+        "/layer1.txt",
+        "IfNotPresent",
+        false,
+    ));
+    let p = wait_app_running(cp, k, &pod_image, "layer 1 of kep-app:1");
+    let events = cp.events(
+        "default",
+        p["metadata"]["name"].as_str().unwrap_or_default(),
+    );
+    assert!(
+        !events.iter().any(|e| e.starts_with("Pulling")),
+        "the pushed image was pulled: {events:?}"
+    );
 }

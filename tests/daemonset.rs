@@ -181,17 +181,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
             );
             Instant::now()
         });
-        let frozen = poll(Duration::from_secs(60), || {
-            let named = c.ctr("buildkit", ["images", "ls", "-q"]);
-            let named = String::from_utf8_lossy(&named.stdout)
-                .lines()
-                .any(|l| l == name);
-            (named && c.ingests("buildkit").iter().any(|&o| o > 2 << 20)).then(|| bk.freeze())
-        });
-        if frozen.is_none() {
-            bk.thaw();
-            panic!("the build never wrote its lazy layer:\n{}", bk.log_tail());
-        }
+        bk.freeze_mid_write(&c, "buildkit", name);
         let in_flight = c.ingests("buildkit");
         // Opened now: kubelet removes the old pod's log with the pod.
         let mut old_log = File::open(k.log_path_of(&old, POD)).expect("the old pod's log");

@@ -153,58 +153,16 @@ impl ControlPlane {
         });
         cp.apiserver = Some(api);
 
-        let mut cmd = Command::new(kube.bin_dir.join("kube-controller-manager"));
-        cmd.arg(format!(
-            "--kubeconfig={}",
-            cp.kubeconfig_of("controller-manager").display()
-        ))
-        .arg(format!(
-            "--authentication-kubeconfig={}",
-            cp.kubeconfig_of("controller-manager").display()
-        ))
-        .arg(format!(
-            "--authorization-kubeconfig={}",
-            cp.kubeconfig_of("controller-manager").display()
-        ))
-        .arg("--bind-address=127.0.0.1")
-        .arg(format!("--secure-port={}", free_port()))
-        .arg("--leader-elect=false")
-        .arg("--use-service-account-credentials=true")
-        .arg(format!(
-            "--service-account-private-key-file={}",
-            p("sa.key")
-        ))
-        .arg(format!("--root-ca-file={}", p("ca.crt")))
-        .arg(format!("--cert-dir={}", d.join("kcm-certs").display()));
-        let kcm = Daemon::spawn(
+        cp.controller_manager = Some(cp.component(
             "kube-controller-manager",
-            cmd,
-            &d.join("kube-controller-manager.log"),
-        );
-        cp.controller_manager = Some(kcm);
-
-        let mut cmd = Command::new(kube.bin_dir.join("kube-scheduler"));
-        cmd.arg(format!(
-            "--kubeconfig={}",
-            cp.kubeconfig_of("scheduler").display()
-        ))
-        .arg(format!(
-            "--authentication-kubeconfig={}",
-            cp.kubeconfig_of("scheduler").display()
-        ))
-        .arg(format!(
-            "--authorization-kubeconfig={}",
-            cp.kubeconfig_of("scheduler").display()
-        ))
-        .arg("--bind-address=127.0.0.1")
-        .arg(format!("--secure-port={}", free_port()))
-        .arg("--leader-elect=false")
-        .arg(format!(
-            "--cert-dir={}",
-            d.join("scheduler-certs").display()
+            "controller-manager",
+            &[
+                "--use-service-account-credentials=true".into(),
+                format!("--service-account-private-key-file={}", p("sa.key")),
+                format!("--root-ca-file={}", p("ca.crt")),
+            ],
         ));
-        let sched = Daemon::spawn("kube-scheduler", cmd, &d.join("kube-scheduler.log"));
-        cp.scheduler = Some(sched);
+        cp.scheduler = Some(cp.component("kube-scheduler", "scheduler", &[]));
 
         // The controller manager is up once its service-account controller
         // has made `default` (pods cannot be admitted before that).
@@ -221,6 +179,31 @@ impl ControlPlane {
             )
         });
         Some(cp)
+    }
+
+    /// Starts `bin` (the controller manager or the scheduler) as identity
+    /// `stem`: its kubeconfig for the API and for delegated authn/authz,
+    /// its secure port on loopback, no leader election, `extra` flags.
+    fn component(&self, bin: &str, stem: &str, extra: &[String]) -> Daemon {
+        let d = self.dir.path();
+        let kubeconfig = self.kubeconfig_of(stem).display().to_string();
+        let mut cmd = Command::new(self.peer.bin_dir.join(bin));
+        for flag in [
+            "kubeconfig",
+            "authentication-kubeconfig",
+            "authorization-kubeconfig",
+        ] {
+            cmd.arg(format!("--{flag}={kubeconfig}"));
+        }
+        cmd.arg("--bind-address=127.0.0.1")
+            .arg(format!("--secure-port={}", free_port()))
+            .arg("--leader-elect=false")
+            .arg(format!(
+                "--cert-dir={}",
+                d.join(format!("{stem}-certs")).display()
+            ))
+            .args(extra);
+        Daemon::spawn(bin, cmd, &d.join(format!("{bin}.log")))
     }
 
     /// The API server's URL.

@@ -392,6 +392,25 @@ impl Buildkitd {
     pub fn thaw(&self) {
         self.daemon.signal(nix::sys::signal::Signal::SIGCONT);
     }
+
+    /// Freezes buildkitd with a write in flight: once it has named image
+    /// `name` in namespace `ns` of `c` and one of its ingests there is past
+    /// 2 MiB (a build `FROM` a lazy base with only a `LABEL` names the
+    /// image, then writes the layers it never fetched). Panics, thawed,
+    /// when that does not happen within a minute.
+    pub fn freeze_mid_write(&self, c: &crate::containerd::Containerd, ns: &str, name: &str) {
+        let frozen = poll(Duration::from_secs(60), || {
+            let named = c.ctr(ns, ["images", "ls", "-q"]);
+            let named = String::from_utf8_lossy(&named.stdout)
+                .lines()
+                .any(|l| l == name);
+            (named && c.ingests(ns).iter().any(|&o| o > 2 << 20)).then(|| self.freeze())
+        });
+        if frozen.is_none() {
+            self.thaw();
+            panic!("the build never wrote its lazy layer:\n{}", self.log_tail());
+        }
+    }
 }
 
 /// `buildctl --addr <addr> <args...>`.
