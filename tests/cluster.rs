@@ -12,190 +12,30 @@
 //! `helm uninstall` leaves the node's containerd and the running pods as
 //! they were.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use imgbridge_test_support::chart::{install, App, ChartNode, Helm, OneNode, CHART, NS, RELEASE};
 use imgbridge_test_support::cluster::{ControlPlane, CLUSTER_TIMEOUT};
-use imgbridge_test_support::containerd::{Containerd, ContainerdOpts};
-use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts};
 use imgbridge_test_support::peers::{peer, Buildkitd};
 use imgbridge_test_support::prelude::*;
-use imgbridge_test_support::project::{project_image, ProjectImage};
-use imgbridge_test_support::util::{output_with_timeout, TOOL_TIMEOUT};
-use serde_json::{json, Value};
-use tempfile::TempDir;
-
-const NS: &str = "kube-system";
-const RELEASE: &str = "imgbridge";
+use imgbridge_test_support::project::project_image;
+use serde_json::Value;
 /// The dev loop's Deployment (namespace `default`).
 const APP: &str = "dev-app";
-
-/// helm as the admin, with its own config, cache and data dirs.
-struct Helm {
-    bin: PathBuf,
-    kubeconfig: PathBuf,
-    home: TempDir,
-}
-
-impl Helm {
-    fn new(cp: &ControlPlane) -> Option<Helm> {
-        Some(Helm {
-            bin: peer("helm")?.bin_dir.join("helm"),
-            kubeconfig: cp.kubeconfig(),
-            home: tempdir("helm-home-"),
-        })
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let h = self.home.path();
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(args)
-            .env("KUBECONFIG", &self.kubeconfig)
-            .env("HELM_CONFIG_HOME", h.join("config"))
-            .env("HELM_CACHE_HOME", h.join("cache"))
-            .env("HELM_DATA_HOME", h.join("data"));
-        output_with_timeout(
-            cmd,
-            TOOL_TIMEOUT.max(CLUSTER_TIMEOUT + Duration::from_secs(30)),
-        )
-    }
-
-    fn ok(&self, args: &[&str], cp: &ControlPlane) -> String {
-        let out = self.run(args);
-        assert!(
-            out.status.success(),
-            "helm {args:?} failed:\n{}{}\n--- pods ---\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-            cp.kubectl_ok(&["get", "pods", "-A", "-o", "wide"])
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-/// The node's paths the chart's pod uses, under one temp dir.
-struct Node {
-    dir: TempDir,
-    metrics: u16,
-}
-
-impl Node {
-    fn new() -> Node {
-        Node {
-            dir: tempdir("node-"),
-            metrics: free_port(),
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run-imgbridge/containerd.sock")
-    }
-
-    /// The chart's values for this node and `image`: `--set-string` for
-    /// paths and names, `--set` for typed values.
-    fn values(&self, c: &Containerd, image: &ProjectImage) -> Vec<String> {
-        let d = self.dir.path();
-        let strings = [
-            format!("containerdSocket={}", c.socket().display()),
-            format!("containerdConfig={}", c.config_path().display()),
-            format!("image.tag={}", image.tag),
-            format!("socket.dir={}", d.join("run-imgbridge").display()),
-            format!("stateDir={}", d.join("state").display()),
-        ];
-        let typed = [
-            "hostNetwork=true".to_string(),
-            format!("metrics.port={}", self.metrics),
-            "test.enabled=true".into(),
-            // A replica in k8s.io when buildctl returns is the proxied
-            // write's doing, not the catch-up pass's.
-            "config.reconcile.enabled=false".into(),
-        ];
-        let flag = |f: &'static str| move |v: String| [f.to_string(), v];
-        strings
-            .into_iter()
-            .flat_map(flag("--set-string"))
-            .chain(typed.into_iter().flat_map(flag("--set")))
-            .collect()
-    }
-}
-
-/// A cluster of one node: containerd with CRI, the control plane, and the
-/// kubelet registered and Ready.
-struct Cluster {
-    c: Containerd,
-    cp: ControlPlane,
-    k: Kubelet,
-}
-
-impl Cluster {
-    fn start() -> Option<Cluster> {
-        let c = Containerd::start(ContainerdOpts {
-            cri: true,
-            cni_loopback: true,
-            shared_mount: true,
-            ..Default::default()
-        });
-        let cp = ControlPlane::start()?;
-        let k = Kubelet::start(
-            KubeletOpts::new(c.socket())
-                .registered(&cp.kubelet_kubeconfig())
-                // KEP-2535 on, at the default policy
-                // (NeverVerifyPreloadedImages), as on a 1.35+ node.
-                .with("featureGates:\n  KubeletEnsureSecretPulledImages: true\n"),
-        )?;
-        let started = Instant::now();
-        cp.wait_node_ready();
-        eprintln!("node Ready in {:?}", started.elapsed());
-        Some(Cluster { c, cp, k })
-    }
-}
-
-const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/imgbridge");
-
-/// `helm install` of the chart for `node` and `image` (`--wait`); the
-/// DaemonSet's one pod is Ready.
-fn install(helm: &Helm, cl: &Cluster, node: &Node, image: &ProjectImage) {
-    let mut args = vec![
-        "install",
-        RELEASE,
-        CHART,
-        "-n",
-        NS,
-        "--wait",
-        "--timeout",
-        "3m",
-    ];
-    let values = node.values(&cl.c, image);
-    args.extend(values.iter().map(String::as_str));
-    helm.ok(&args, &cl.cp);
-    let ds = cl
-        .cp
-        .get(&["-n", NS, "get", "daemonset", RELEASE])
-        .expect("the DaemonSet");
-    assert_eq!(
-        (
-            ds["status"]["desiredNumberScheduled"].as_u64(),
-            ds["status"]["numberReady"].as_u64()
-        ),
-        (Some(1), Some(1)),
-        "DaemonSet status: {}",
-        ds["status"]
-    );
-}
 
 /// `helm install`, `helm test`, ten rounds of build → Deployment, then
 /// `helm uninstall` with the workload untouched.
 #[test]
 fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
-    let Some(cl) = Cluster::start() else { return };
+    let Some(cl) = OneNode::start() else { return };
     let Some(helm) = Helm::new(&cl.cp) else {
         return;
     };
     let (c, cp, k) = (&cl.c, &cl.cp, &cl.k);
     let image = project_image("");
     ctr_import(c.socket(), "k8s.io", &image.archive);
-    let node = Node::new();
+    let node = ChartNode::new();
+    let app = App::new(APP);
 
     let started = Instant::now();
     install(&helm, &cl, &node, &image);
@@ -256,7 +96,7 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
     let mut last = None;
     for round in 1..=10 {
         let content = unique_name(&format!("round-{round}"));
-        let image = build_scratch(&bk, &round.to_string(), &content);
+        let image = app.build(&bk, &round.to_string(), &content);
         let built = Instant::now();
         // IfNotPresent (a tag's default), Never, and with a pull secret.
         let (policy, secret) = match round % 3 {
@@ -264,8 +104,8 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
             2 => ("Never", false),
             _ => ("IfNotPresent", true),
         };
-        cp.apply(&deployment(&image, "/v", policy, secret));
-        let p = wait_app_running(cp, k, &image, &content);
+        cp.apply(&app.manifest(&image, "/v", policy, secret));
+        let p = app.wait_running(cp, k, &image, &content);
         took.push(built.elapsed());
         let name = p["metadata"]["name"].as_str().unwrap_or_default();
         let events = cp.events("default", name);
@@ -347,71 +187,6 @@ fn container_id(pod: &Value) -> String {
         .to_string()
 }
 
-fn busybox() -> Vec<u8> {
-    std::fs::read("/bin/busybox").expect("static busybox (busybox-static)")
-}
-
-/// Builds `docker.io/library/dev-app:<tag>` holding busybox and `/v` =
-/// `content` (FROM scratch: nothing to fetch).
-fn build_scratch(bk: &Buildkitd, tag: &str, content: &str) -> String {
-    bk.build(
-        "FROM scratch\nCOPY --chmod=755 busybox /bin/busybox\nCOPY v /v\n",
-        &[("busybox", &busybox()), ("v", content.as_bytes())],
-        &format!("type=image,name=docker.io/library/{APP}:{tag}"),
-        &[],
-    );
-    format!("{APP}:{tag}")
-}
-
-/// The dev loop's Deployment, pointed at `image`, printing `file`.
-fn deployment(image: &str, file: &str, policy: &str, secret: bool) -> Value {
-    let mut spec = json!({
-        "hostNetwork": true,
-        "terminationGracePeriodSeconds": 1,
-        "containers": [{
-            "name": "app",
-            "image": image,
-            "imagePullPolicy": policy,
-            "command": ["/bin/busybox", "sh", "-c", format!("cat {file}; echo; exec /bin/busybox sleep 100000")],
-        }],
-    });
-    if secret {
-        spec["imagePullSecrets"] = json!([{"name": "regcred"}]);
-    }
-    json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": APP, "namespace": "default"},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": APP}},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": {"app": APP}}, "spec": spec},
-        },
-    })
-}
-
-/// Waits until the Deployment's pod of `image` runs and printed `content`.
-fn wait_app_running(cp: &ControlPlane, k: &Kubelet, image: &str, content: &str) -> Value {
-    poll(CLUSTER_TIMEOUT, || {
-        let pods = cp.get(&["-n", "default", "get", "pods", "-l", &format!("app={APP}")])?;
-        pods["items"].as_array()?.iter().find_map(|p| {
-            let st = &p["status"]["containerStatuses"][0];
-            let running = p["spec"]["containers"][0]["image"] == image
-                && st["state"]["running"].is_object()
-                && p["metadata"]["deletionTimestamp"].is_null();
-            (running && k.log_of(p, "app").contains(content)).then(|| p.clone())
-        })
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "no pod of {image} running within {CLUSTER_TIMEOUT:?}:\n{}\n--- kubelet ---\n{}",
-            cp.kubectl_ok(&["-n", "default", "get", "pods,events", "-o", "wide"]),
-            k.log_tail()
-        )
-    })
-}
-
 /// `helm upgrade` to a new image under a client loop on the node's socket
 /// (a plain connect and a `ctr version` every 50 ms):
 /// the surge pod takes the socket over from the old one (bound beside it,
@@ -422,7 +197,7 @@ fn wait_app_running(cp: &ControlPlane, k: &Kubelet, image: &str, content: &str) 
 fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     use std::os::unix::fs::MetadataExt;
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-    let Some(cl) = Cluster::start() else { return };
+    let Some(cl) = OneNode::start() else { return };
     let Some(helm) = Helm::new(&cl.cp) else {
         return;
     };
@@ -431,7 +206,8 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     for img in [&v1, &v2] {
         ctr_import(c.socket(), "k8s.io", &img.archive);
     }
-    let node = Node::new();
+    let node = ChartNode::new();
+    let app = App::new(APP);
     install(&helm, &cl, &node, &v1);
     let old = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
 
@@ -560,13 +336,8 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     );
 
     // The build's image was in k8s.io as buildctl returned: it runs.
-    cp.apply(&deployment(
-        &format!("{APP}:upgrade"),
-        "/layer1.txt",
-        "Never",
-        false,
-    ));
-    wait_app_running(cp, k, &format!("{APP}:upgrade"), "layer 1 of up-base:1");
+    cp.apply(&app.manifest(&format!("{APP}:upgrade"), "/layer1.txt", "Never", false));
+    app.wait_running(cp, k, &format!("{APP}:upgrade"), "layer 1 of up-base:1");
 }
 
 /// Sets its flag when dropped.
@@ -589,7 +360,7 @@ impl Drop for StopOnDrop<'_> {
 /// with no pull.
 #[test]
 fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
-    let Some(cl) = Cluster::start() else { return };
+    let Some(cl) = OneNode::start() else { return };
     let Some(helm) = Helm::new(&cl.cp) else {
         return;
     };
@@ -597,7 +368,8 @@ fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
     let (c, cp, k) = (&cl.c, &cl.cp, &cl.k);
     let image = project_image("");
     ctr_import(c.socket(), "k8s.io", &image.archive);
-    let node = Node::new();
+    let node = ChartNode::new();
+    let app = App::new(APP);
     let port = free_port();
     cp.kubectl_ok(&[
         "-n",
@@ -686,13 +458,8 @@ fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
         .arg(format!("{host}/kep-app:1"));
     imgbridge_test_support::util::run_ok(push);
     let pod_image = format!("{runtime_host}/kep-app:1");
-    cp.apply(&deployment(
-        &pod_image,
-        "/layer1.txt",
-        "IfNotPresent",
-        false,
-    ));
-    let p = wait_app_running(cp, k, &pod_image, "layer 1 of kep-app:1");
+    cp.apply(&app.manifest(&pod_image, "/layer1.txt", "IfNotPresent", false));
+    let p = app.wait_running(cp, k, &pod_image, "layer 1 of kep-app:1");
     let events = cp.events(
         "default",
         p["metadata"]["name"].as_str().unwrap_or_default(),

@@ -75,7 +75,7 @@ where
     output_with_timeout(ctr_command(sock, ns, args), TOOL_TIMEOUT)
 }
 
-pub(crate) fn ctr_command<I, S>(sock: &Path, ns: &str, args: I) -> Command
+pub fn ctr_command<I, S>(sock: &Path, ns: &str, args: I) -> Command
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,

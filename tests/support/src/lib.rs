@@ -46,6 +46,7 @@
 //! panics with the tail of the relevant daemon log when the deadline passes.
 
 pub mod bridge;
+pub mod chart;
 pub mod cluster;
 pub mod containerd;
 pub mod cri;
