@@ -14,7 +14,9 @@
 
 use std::time::{Duration, Instant};
 
-use imgbridge_test_support::chart::{install, App, ChartNode, Helm, OneNode, CHART, NS, RELEASE};
+use imgbridge_test_support::chart::{
+    install, install_args, App, ChartNode, Helm, OneNode, CHART, NS, RELEASE,
+};
 use imgbridge_test_support::cluster::{ControlPlane, CLUSTER_TIMEOUT};
 use imgbridge_test_support::peers::{peer, Buildkitd};
 use imgbridge_test_support::prelude::*;
@@ -253,12 +255,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
             (ok, failed, longest)
         });
         let build = s.spawn(|| {
-            bk.build(
-                &format!("FROM {base_ref}\nLABEL round=upgrade\n"),
-                &[],
-                &format!("type=image,name={name}"),
-                &[],
-            );
+            bk.build_on(&base_ref, &name);
             Instant::now()
         });
         bk.freeze_mid_write(c, "buildkit", &name);
@@ -380,20 +377,18 @@ fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
         "--from-literal=localRegistryHosting.v1=host: \"localhost:5001\"\n",
     ]);
 
-    let mut args = vec![
-        "install",
-        RELEASE,
-        CHART,
-        "-n",
-        NS,
-        "--wait",
-        "--timeout",
-        "3m",
-    ];
-    let mut values = node.values(c, &image);
-    values.extend(["--set".into(), "registry.enabled=true".into()]);
-    values.extend(["--set".into(), format!("registry.port={port}")]);
-    args.extend(values.iter().map(String::as_str));
+    let owned = install_args(
+        &cl,
+        &node,
+        &image,
+        &[
+            "--set".into(),
+            "registry.enabled=true".into(),
+            "--set".into(),
+            format!("registry.port={port}"),
+        ],
+    );
+    let mut args: Vec<&str> = owned.iter().map(String::as_str).collect();
     let refused = helm.run(&args);
     let said = String::from_utf8_lossy(&refused.stderr).into_owned();
     assert!(

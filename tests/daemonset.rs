@@ -173,12 +173,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
     let sock = node.socket();
     let old_log = thread::scope(|s| {
         let build = s.spawn(|| {
-            bk.build(
-                &format!("FROM {base_ref}\nLABEL round=upgrade\n"),
-                &[],
-                &format!("type=image,name={name}"),
-                &[],
-            );
+            bk.build_on(&base_ref, name);
             Instant::now()
         });
         bk.freeze_mid_write(&c, "buildkit", name);

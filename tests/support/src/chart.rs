@@ -152,10 +152,15 @@ impl OneNode {
 /// The chart in this checkout.
 pub const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../charts/imgbridge");
 
-/// `helm install` of the chart for `node` and `image` (`--wait`); the
-/// DaemonSet's one pod is Ready.
-pub fn install(helm: &Helm, cl: &OneNode, node: &ChartNode, image: &ProjectImage) {
-    let mut args = vec![
+/// `helm install` of the chart for `node` and `image` with `extra` flags
+/// (`--wait`): its arguments.
+pub fn install_args(
+    cl: &OneNode,
+    node: &ChartNode,
+    image: &ProjectImage,
+    extra: &[String],
+) -> Vec<String> {
+    let mut args: Vec<String> = [
         "install",
         RELEASE,
         CHART,
@@ -164,9 +169,19 @@ pub fn install(helm: &Helm, cl: &OneNode, node: &ChartNode, image: &ProjectImage
         "--wait",
         "--timeout",
         "3m",
-    ];
-    let values = node.values(&cl.c, image);
-    args.extend(values.iter().map(String::as_str));
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(node.values(&cl.c, image));
+    args.extend(extra.iter().cloned());
+    args
+}
+
+/// `helm install` of the chart for `node` and `image` (`--wait`); the
+/// DaemonSet's one pod is Ready.
+pub fn install(helm: &Helm, cl: &OneNode, node: &ChartNode, image: &ProjectImage) {
+    let owned = install_args(cl, node, image, &[]);
+    let args: Vec<&str> = owned.iter().map(String::as_str).collect();
     helm.ok(&args, &cl.cp);
     let ds = cl
         .cp

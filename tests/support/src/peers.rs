@@ -393,6 +393,18 @@ impl Buildkitd {
         self.daemon.signal(nix::sys::signal::Signal::SIGCONT);
     }
 
+    /// Builds image `name` `FROM base` with only a `LABEL`: buildkit names
+    /// the image, then writes the base's layers it never fetched (lazy),
+    /// then returns; a write [`Buildkitd::freeze_mid_write`] can catch.
+    pub fn build_on(&self, base: &str, name: &str) {
+        self.build(
+            &format!("FROM {base}\nLABEL round=upgrade\n"),
+            &[],
+            &format!("type=image,name={name}"),
+            &[],
+        );
+    }
+
     /// Freezes buildkitd with a write in flight: once it has named image
     /// `name` in namespace `ns` of `c` and one of its ingests there is past
     /// 2 MiB (a build `FROM` a lazy base with only a `LABEL` names the
