@@ -207,10 +207,17 @@ go_lane() {
     printf 'Go lane: containerds of the matrix\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
     if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" ]]; then
         s=$SECONDS
-        # helm first: the chart stage needs only it.
-        scripts/peers.sh fetch helm buildkit nerdctl crictl spegel kubelet etcd crane conformance oras ko >"$out/peers.txt"
-        printf 'Go lane: peers\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
+        # helm first: the chart stage needs only it. kubelet and the
+        # control plane (the longest build) last: the tests that do not
+        # need them start meanwhile (go-early.ok).
+        scripts/peers.sh fetch helm buildkit nerdctl crictl spegel etcd crane conformance oras ko >"$out/peers.txt"
+        printf 'Go lane: peers but kubelet\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
+        touch "$out/go-early.ok"
+        s=$SECONDS
+        scripts/peers.sh fetch kubelet >>"$out/peers.txt"
+        printf 'Go lane: kubelet and the control plane\t%s\n' "$((SECONDS - s))" >>"$out/go-lane.times"
     fi
+    touch "$out/go-early.ok" "$out/go-kubelet.ok"
     if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
         s=$SECONDS
         scripts/lib/cargo-tools.sh fetch >/dev/null
@@ -273,21 +280,40 @@ if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" || "${IMGBRIDGE_SKIP_PACKAGING:-0}" !=
 fi
 cargo_lane_secs=$((SECONDS - go_start))
 
+# Waits until the Go lane wrote marker $1 (true) or ended without it (its
+# log printed; false).
+go_lane_reached() {
+    while [[ ! -e "$out/$1" ]]; do
+        if ! kill -0 "$go_pid" 2>/dev/null; then
+            [[ -e "$out/$1" ]] && return 0
+            cat "$out/go-lane.log"
+            echo "scripts/test.sh: the Go lane ended before $1 (log above)" >&2
+            return 1
+        fi
+        sleep 1
+    done
+}
+# The Go lane's end: its log and timings.
+go_lane_end() {
+    local go_rc
+    set +e
+    wait "$go_pid"
+    go_rc=$?
+    set -e
+    go_pid=""
+    cat "$out/go-lane.log"
+    if [[ -f "$out/go-lane.times" ]]; then
+        while IFS=$'\t' read -r what secs; do
+            stage_names+=("$what")
+            stage_secs+=("$secs")
+        done <"$out/go-lane.times"
+    fi
+    [[ $go_rc -eq 0 ]] || { echo "scripts/test.sh: the Go lane failed (log above)" >&2; exit 1; }
+}
+
 stage_start=$SECONDS
-echo "==> waiting for the Go lane"
-set +e
-wait "$go_pid"
-go_rc=$?
-set -e
-go_pid=""
-cat "$out/go-lane.log"
-if [[ -f "$out/go-lane.times" ]]; then
-    while IFS=$'\t' read -r what secs; do
-        stage_names+=("$what")
-        stage_secs+=("$secs")
-    done <"$out/go-lane.times"
-fi
-[[ $go_rc -eq 0 ]] || { echo "scripts/test.sh: the Go lane failed (log above)" >&2; exit 1; }
+echo "==> waiting for the Go lane's containerds and peers (kubelet and the control plane may still build)"
+go_lane_reached go-early.ok || exit 1
 stage_done "waiting for the Go lane (after the cargo lane's $cargo_lane_secs s)" "$stage_start"
 cat "$out/containerd-matrix.txt"
 [[ ! -s "$out/peers.txt" ]] || sed 's/^/    peer /' "$out/peers.txt"
@@ -375,13 +401,35 @@ reap() {
     read -r rc secs <"$out/job-$j.end" || { rc="lost"; secs="?"; }
     echo "    (tests/${j#*-}.rs on containerd ${j%%-*}: exit $rc, $secs s)"
 }
-while read -r _ label bindir name exe; do
+# The binaries that run kubelet wait for its build (the Go lane's last):
+# the others go first.
+needs_kubelet="kubelet daemonset cluster"
+deferred=()
+launch() { # label bindir name exe
     while ((${#job_of_pid[@]} >= njobs)); do reap; done
-    run_job "$label" "$bindir" "$name" "$exe" &
-    job_of_pid[$!]="$label-$name"
+    run_job "$@" &
+    job_of_pid[$!]="$1-$3"
+}
+while read -r _ label bindir name exe; do
+    if [[ " $needs_kubelet " == *" $name "* && ! -e "$out/go-kubelet.ok" ]]; then
+        deferred+=("$label $bindir $name $exe")
+        continue
+    fi
+    launch "$label" "$bindir" "$name" "$exe"
 done <"$jobs_file"
+if ((${#deferred[@]})); then
+    go_lane_reached go-kubelet.ok || exit 1
+    for j in "${deferred[@]}"; do
+        read -r label bindir name exe <<<"$j"
+        launch "$label" "$bindir" "$name" "$exe"
+    done
+fi
 while ((${#job_of_pid[@]})); do reap; done
 stage_done "integration tests, $njobs binaries at a time (wall)" "$stage_start"
+# The rest of the Go lane (the packaging stage's cargo tools).
+stage_start=$SECONDS
+go_lane_end
+stage_done "waiting for the rest of the Go lane" "$stage_start"
 
 summary=()
 failed=0

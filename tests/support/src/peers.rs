@@ -9,7 +9,7 @@ use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use tempfile::TempDir;
@@ -41,41 +41,49 @@ impl Peer {
     }
 }
 
-fn peers() -> &'static Option<HashMap<String, Peer>> {
-    static P: OnceLock<Option<HashMap<String, Peer>>> = OnceLock::new();
-    P.get_or_init(|| {
-        if std::env::var_os("IMGBRIDGE_SKIP_PEERS").is_some_and(|v| v == "1") {
-            return None;
-        }
-        Some(
-            fetched("peers.sh", &["fetch"])
-                .into_iter()
-                .map(|[name, version, bin_dir]| {
-                    let peer = Peer {
-                        name: name.clone(),
-                        version,
-                        bin_dir: bin_dir.into(),
-                    };
-                    (name, peer)
-                })
-                .collect(),
-        )
-    })
+/// The peers fetched so far, by name. Each is fetched on first use, alone
+/// (`scripts/peers.sh fetch NAME`, under its build lock): a test never
+/// waits for a peer it does not use, so `scripts/test.sh` starts the tests
+/// while kubelet and the control plane are still building.
+fn fetched_peers() -> &'static Mutex<HashMap<String, &'static Peer>> {
+    static P: OnceLock<Mutex<HashMap<String, &'static Peer>>> = OnceLock::new();
+    P.get_or_init(Default::default)
 }
 
-/// The peer `name` (`buildkit`, `nerdctl`, `crictl`, `spegel`, `crane`, `ko`,
-/// …: `scripts/peers.sh`'s default list), or `None` when peers are skipped.
+/// The peer `name` (`buildkit`, `nerdctl`, `crictl`, `spegel`, `kubelet`,
+/// `etcd`, `crane`, `ko`, …: `scripts/peers.sh`'s list), or `None` when
+/// peers are skipped.
 pub fn peer(name: &str) -> Option<&'static Peer> {
-    match peers() {
-        None => {
-            eprintln!("skipped: needs {name} (IMGBRIDGE_SKIP_PEERS=1)");
-            None
-        }
-        Some(p) => Some(
-            p.get(name)
-                .unwrap_or_else(|| panic!("scripts/peers.sh gave no {name}")),
-        ),
+    let p = peer_quietly(name);
+    if p.is_none() {
+        eprintln!("skipped: needs {name} (IMGBRIDGE_SKIP_PEERS=1)");
     }
+    p
+}
+
+fn peer_quietly(name: &str) -> Option<&'static Peer> {
+    if std::env::var_os("IMGBRIDGE_SKIP_PEERS").is_some_and(|v| v == "1") {
+        return None;
+    }
+    let known = |n: &str| {
+        let m = fetched_peers().lock().unwrap_or_else(|e| e.into_inner());
+        m.get(n).copied()
+    };
+    if let Some(p) = known(name) {
+        return Some(p);
+    }
+    // Not under the lock: a fetch may wait for a build in progress.
+    let [n, version, bin_dir] = fetched("peers.sh", &["fetch", name])
+        .into_iter()
+        .find(|[n, _, _]| n == name)
+        .unwrap_or_else(|| panic!("scripts/peers.sh gave no {name}"));
+    let p: &'static Peer = Box::leak(Box::new(Peer {
+        name: n,
+        version,
+        bin_dir: bin_dir.into(),
+    }));
+    let mut m = fetched_peers().lock().unwrap_or_else(|e| e.into_inner());
+    Some(*m.entry(name.to_string()).or_insert(p))
 }
 
 /// The `go` command, found as `scripts/lib/gobuild.sh`'s `gobuild_find_go`
@@ -135,7 +143,7 @@ impl Crictl {
     /// Like [`Crictl::new`], without saying so when peers are skipped (the
     /// harness then asks CRI over gRPC itself).
     pub fn quiet(containerd_sock: &Path) -> Option<Crictl> {
-        let p = peers().as_ref()?.get("crictl")?;
+        let p = peer_quietly("crictl")?;
         Some(Crictl {
             peer: p,
             endpoint: format!("unix://{}", containerd_sock.display()),
