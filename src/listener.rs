@@ -60,6 +60,37 @@ impl Default for SocketPerms {
     }
 }
 
+/// What is at a socket path before a bind.
+enum AtPath {
+    Nothing,
+    /// A socket nobody answers on: replaced.
+    Stale,
+    /// A socket someone answers on: refused, or taken over.
+    Live,
+}
+
+/// What is at `path`: anything but a socket is an error (never replaced).
+fn probe(path: &Path) -> Result<AtPath, ListenError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(AtPath::Nothing);
+    };
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if !t.is_socket() {
+        let what = match () {
+            _ if t.is_symlink() => "symlink",
+            _ if t.is_dir() => "directory",
+            _ if t.is_file() => "regular file",
+            _ => "special file",
+        };
+        return Err(ListenError::NotSocket(path.into(), what));
+    }
+    Ok(match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => AtPath::Live,
+        Err(_) => AtPath::Stale,
+    })
+}
+
 /// Binds `path`, replacing a stale socket and refusing a live one.
 pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError> {
     if let Some(dir) = path.parent() {
@@ -68,26 +99,16 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
             source,
         })?;
     }
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        use std::os::unix::fs::FileTypeExt;
-        let t = meta.file_type();
-        if !t.is_socket() {
-            let what = match () {
-                _ if t.is_symlink() => "symlink",
-                _ if t.is_dir() => "directory",
-                _ if t.is_file() => "regular file",
-                _ => "special file",
-            };
-            return Err(ListenError::NotSocket(path.into(), what));
+    match probe(path)? {
+        AtPath::Nothing => {}
+        AtPath::Live => return Err(ListenError::InUse(path.into())),
+        AtPath::Stale => {
+            std::fs::remove_file(path).map_err(|source| ListenError::Stale {
+                path: path.into(),
+                source,
+            })?;
+            tracing::info!(socket = %path.display(), "replaced stale socket file");
         }
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ListenError::InUse(path.into()));
-        }
-        std::fs::remove_file(path).map_err(|source| ListenError::Stale {
-            path: path.into(),
-            source,
-        })?;
-        tracing::info!(socket = %path.display(), "replaced stale socket file");
     }
     let listener = bind_narrow(path, perms.mode).map_err(|source| ListenError::Bind {
         path: path.into(),
@@ -106,11 +127,7 @@ pub fn bind(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError
 /// file alone. So a DaemonSet's surge pod upgrades a node with no moment
 /// without a socket (`socket_handover`, docs/daemonset.md "Upgrades").
 pub fn bind_or_take_over(path: &Path, perms: SocketPerms) -> Result<UnixListener, ListenError> {
-    let live = std::fs::symlink_metadata(path).is_ok_and(|m| {
-        use std::os::unix::fs::FileTypeExt;
-        m.file_type().is_socket()
-    }) && std::os::unix::net::UnixStream::connect(path).is_ok();
-    if !live {
+    if !matches!(probe(path)?, AtPath::Live) {
         return bind(path, perms);
     }
     let name = path
@@ -118,23 +135,26 @@ pub fn bind_or_take_over(path: &Path, perms: SocketPerms) -> Result<UnixListener
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let beside = path.with_file_name(format!(".{name}.{}.handover", std::process::id()));
-    let err = |source| ListenError::Bind {
-        path: path.into(),
-        source,
-    };
     // A file left by an instance of this pid that died in between.
     let _ = std::fs::remove_file(&beside);
-    let listener = bind_narrow(&beside, perms.mode).map_err(err)?;
-    let placed = apply_perms(&beside, perms).and_then(|()| {
-        std::fs::rename(&beside, path).map_err(|source| ListenError::Bind {
+    let placed = bind_narrow(&beside, perms.mode)
+        .map_err(|source| ListenError::Bind {
             path: path.into(),
             source,
         })
-    });
-    if let Err(e) = placed {
+        .and_then(|l| apply_perms(&beside, perms).map(|()| l))
+        .and_then(|l| {
+            std::fs::rename(&beside, path)
+                .map(|()| l)
+                .map_err(|source| ListenError::Bind {
+                    path: path.into(),
+                    source,
+                })
+        });
+    if placed.is_err() {
         let _ = std::fs::remove_file(&beside);
-        return Err(e);
     }
+    let listener = placed?;
     tracing::info!(socket = %path.display(), "took the socket over from the instance serving it (handover): it keeps its connections, new ones come here");
     Ok(listener)
 }
@@ -145,18 +165,23 @@ pub fn bind_or_take_over(path: &Path, perms: SocketPerms) -> Result<UnixListener
 /// over both until the old one closes). `[::]` on a kernel without IPv6
 /// falls back to `0.0.0.0`, every IPv4 address, as the wildcard it is.
 pub async fn bind_tcp(addr: &str, shared: bool) -> std::io::Result<tokio::net::TcpListener> {
-    let mut sa = tokio::net::lookup_host(addr)
-        .await?
-        .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address"))?;
-    let socket = match tcp_socket(sa) {
-        Err(e) if sa.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
-            tracing::info!(listen = addr, error = %e, "no IPv6 here: listening on 0.0.0.0 instead");
-            sa.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
-            tcp_socket(sa)?
+    // Each address the name resolves to in turn, as TcpListener::bind does.
+    let mut last = std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address");
+    for sa in tokio::net::lookup_host(addr).await? {
+        match bind_tcp_at(sa, shared) {
+            Ok(l) => return Ok(l),
+            Err(e) if sa.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+                tracing::info!(listen = addr, error = %e, "no IPv6 here: listening on 0.0.0.0 instead");
+                return bind_tcp_at((std::net::Ipv4Addr::UNSPECIFIED, sa.port()).into(), shared);
+            }
+            Err(e) => last = e,
         }
-        r => r?,
-    };
+    }
+    Err(last)
+}
+
+fn bind_tcp_at(sa: std::net::SocketAddr, shared: bool) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = tcp_socket(sa)?;
     // As tokio's TcpListener::bind: a port in TIME_WAIT is bindable.
     socket.set_reuseaddr(true)?;
     if shared {
