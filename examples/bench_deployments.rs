@@ -31,7 +31,6 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imgbridge_test_support::chart::{install, App, ChartNode, OneNode};
-use imgbridge_test_support::cluster::CLUSTER_TIMEOUT;
 use imgbridge_test_support::ctr::ctr_command;
 use imgbridge_test_support::peers::Buildkitd;
 use imgbridge_test_support::prelude::*;
@@ -105,18 +104,7 @@ fn main() {
                 took[v].push(built.elapsed());
             }
             // The old pod gone before the next round (not timed).
-            poll(CLUSTER_TIMEOUT, || {
-                let pods = cl.cp.get(&[
-                    "-n",
-                    "default",
-                    "get",
-                    "pods",
-                    "-l",
-                    &format!("app={}", apps[v].name),
-                ])?;
-                (pods["items"].as_array()?.len() == 1).then_some(())
-            })
-            .expect("the old pod went");
+            apps[v].wait_rolled_out(&cl.cp);
         }
         eprint!(".");
     }

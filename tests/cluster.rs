@@ -15,13 +15,14 @@
 use std::time::{Duration, Instant};
 
 use imgbridge_test_support::chart::{
-    install, install_args, App, ChartNode, Helm, OneNode, CHART, NS, RELEASE,
+    install, install_args, pull_events, App, ChartNode, Helm, OneNode, CHART, DS_PODS, NS, RELEASE,
 };
 use imgbridge_test_support::cluster::{ControlPlane, CLUSTER_TIMEOUT};
 use imgbridge_test_support::peers::{peer, Buildkitd};
 use imgbridge_test_support::prelude::*;
 use imgbridge_test_support::project::project_image;
 use serde_json::Value;
+
 /// The dev loop's Deployment (namespace `default`).
 const APP: &str = "dev-app";
 
@@ -41,17 +42,9 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
 
     let started = Instant::now();
     install(&helm, &cl, &node, &image);
-    let pod = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
+    let pod = one_pod(cp, NS, DS_PODS);
     assert_eq!(pod["spec"]["nodeName"], "imgbridge-node");
-    let ds_pod = pod["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let pulls: Vec<String> = cp
-        .events(NS, &ds_pod)
-        .into_iter()
-        .filter(|e| e.starts_with("Pulling"))
-        .collect();
+    let pulls = pull_events(cp, NS, pod["metadata"]["name"].as_str().unwrap_or_default());
     assert!(
         pulls.is_empty(),
         "the chart's pod pulled its image: {pulls:?}"
@@ -109,20 +102,17 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
         cp.apply(&app.manifest(&image, "/v", policy, secret));
         let p = app.wait_running(cp, k, &image, &content);
         took.push(built.elapsed());
-        let name = p["metadata"]["name"].as_str().unwrap_or_default();
-        let events = cp.events("default", name);
+        let pulls = pull_events(
+            cp,
+            "default",
+            p["metadata"]["name"].as_str().unwrap_or_default(),
+        );
         assert!(
-            !events.iter().any(|e| e.starts_with("Pulling")
-                || e.contains("ErrImageNeverPull")
-                || e.starts_with("Failed")),
-            "round {round} ({policy}, secret: {secret}): {events:?}"
+            pulls.is_empty(),
+            "round {round} ({policy}, secret: {secret}): {pulls:?}"
         );
         // The rollout ends with the old pod gone (1 s grace).
-        poll(CLUSTER_TIMEOUT, || {
-            let pods = cp.get(&["-n", "default", "get", "pods", "-l", &format!("app={APP}")])?;
-            (pods["items"].as_array()?.len() == 1).then_some(())
-        })
-        .unwrap_or_else(|| panic!("round {round}: the old pods of {APP} never went"));
+        app.wait_rolled_out(cp);
         last = Some(p);
     }
     took.sort();
@@ -134,14 +124,16 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
 
     // helm uninstall: the DaemonSet's pod goes; the app keeps running, the
     // node's containerd keeps answering and keeps the images.
-    let app = last.expect("a round ran");
-    let app_id = container_id(&app);
+    let last = last.expect("a round ran");
+    let app_id = container_id(&last);
     helm.ok(
         &["uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m"],
         cp,
     );
-    poll(CLUSTER_TIMEOUT, || ds_pods(cp)?.is_empty().then_some(()))
-        .expect("the DaemonSet's pod is gone after helm uninstall");
+    poll(CLUSTER_TIMEOUT, || {
+        cp.pods(NS, DS_PODS)?.is_empty().then_some(())
+    })
+    .expect("the DaemonSet's pod is gone after helm uninstall");
     let now = one_pod(cp, "default", &format!("app={APP}"));
     assert_eq!(
         (
@@ -155,29 +147,22 @@ fn helm_install_serves_a_dev_loop_of_deployments_and_uninstalls_cleanly() {
         c.ctr("default", ["version"]).status.success(),
         "containerd stopped answering"
     );
+    let images = c.ctr("k8s.io", ["images", "ls", "-q"]);
+    let images = String::from_utf8_lossy(&images.stdout);
+    let kept = last["status"]["containerStatuses"][0]["image"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        images.lines().any(|l| l == kept),
+        "{kept} left k8s.io with helm uninstall:\n{images}"
+    );
     assert!(!node.socket().exists(), "the pod left its socket behind");
     drop(bk);
 }
 
-/// The DaemonSet's pods (any phase).
-fn ds_pods(cp: &ControlPlane) -> Option<Vec<Value>> {
-    let pods = cp.get(&[
-        "-n",
-        NS,
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/name=imgbridge",
-    ])?;
-    pods["items"].as_array().cloned()
-}
-
 /// The one pod matching `selector` in `ns`.
 fn one_pod(cp: &ControlPlane, ns: &str, selector: &str) -> Value {
-    let pods = cp
-        .get(&["-n", ns, "get", "pods", "-l", selector])
-        .expect("list pods");
-    let items = pods["items"].as_array().cloned().unwrap_or_default();
+    let items = cp.pods(ns, selector).expect("list pods");
     assert_eq!(items.len(), 1, "pods of {selector}: {items:?}");
     items.into_iter().next().unwrap()
 }
@@ -211,7 +196,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     let node = ChartNode::new();
     let app = App::new(APP);
     install(&helm, &cl, &node, &v1);
-    let old = one_pod(cp, NS, "app.kubernetes.io/name=imgbridge");
+    let old = one_pod(cp, NS, DS_PODS);
 
     let reg = Registry::start();
     let Some(bk) = Buildkitd::start(&node.socket(), "buildkit", Some(&reg.addr())) else {
@@ -227,14 +212,13 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     let inode = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.ino()).ok();
     let stop = AtomicBool::new(false);
     let oks = AtomicU32::new(0);
-    let (calls, built, handed_over) = std::thread::scope(|s| {
+    let (failed, longest) = std::thread::scope(|s| {
         // However the scope ends (a panic too), the client loop stops, or
         // the scope would wait for it forever.
         let _stop = StopOnDrop(&stop);
         // Clients on the node's socket, new connections every 50 ms.
         let client = s.spawn(|| {
-            let (mut ok, mut failed, mut longest, mut last) =
-                (0u32, Vec::new(), Duration::ZERO, Instant::now());
+            let (mut failed, mut longest, mut last) = (Vec::new(), Duration::ZERO, Instant::now());
             while !stop.load(Ordering::Relaxed) {
                 // A client that does not redial: one connect, refused or not
                 // (ctr's own dial waits for a socket to come back).
@@ -243,7 +227,6 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
                 }
                 let out = imgbridge_test_support::ctr::ctr(&sock, "default", ["version"]);
                 if out.status.success() {
-                    ok += 1;
                     oks.fetch_add(1, Ordering::Relaxed);
                     longest = longest.max(last.elapsed());
                     last = Instant::now();
@@ -252,7 +235,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
-            (ok, failed, longest)
+            (failed, longest)
         });
         let build = s.spawn(|| {
             bk.build_on(&base_ref, &name);
@@ -291,7 +274,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
         let built = build.join().expect("the build in flight at the upgrade");
         // The rollout ends: one pod, the new image, Ready.
         let new = poll(CLUSTER_TIMEOUT, || {
-            let items = ds_pods(cp)?;
+            let items = cp.pods(NS, DS_PODS)?;
             let p = items.first()?;
             let ready = p["status"]["containerStatuses"][0]["ready"] == true;
             (items.len() == 1
@@ -318,10 +301,9 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
             k.log_of(&new, "imgbridge")
         );
         eprintln!("upgrade: socket handed over {handed_over:?} after helm upgrade; the build returned {:?} after it", built - upgrade);
-        (client.join().expect("the client loop"), built, handed_over)
+        client.join().expect("the client loop")
     });
-    let (ok, failed, longest) = calls;
-    let _ = (built, handed_over);
+    let ok = oks.load(Ordering::Relaxed);
     eprintln!("client loop across the upgrade: {ok} calls ok, {} failed, longest gap between successes {longest:?}", failed.len());
     assert!(
         failed.is_empty(),
@@ -329,7 +311,7 @@ fn helm_upgrade_hands_the_socket_over_with_no_gap() {
     );
     assert_ne!(
         old["metadata"]["uid"],
-        one_pod(cp, NS, "app.kubernetes.io/name=imgbridge")["metadata"]["uid"]
+        one_pod(cp, NS, DS_PODS)["metadata"]["uid"]
     );
 
     // The build's image was in k8s.io as buildctl returned: it runs.
@@ -455,12 +437,10 @@ fn local_registry_hosting_is_adopted_and_its_host_pushed_to() {
     let pod_image = format!("{runtime_host}/kep-app:1");
     cp.apply(&app.manifest(&pod_image, "/layer1.txt", "IfNotPresent", false));
     let p = app.wait_running(cp, k, &pod_image, "layer 1 of kep-app:1");
-    let events = cp.events(
+    let pulls = pull_events(
+        cp,
         "default",
         p["metadata"]["name"].as_str().unwrap_or_default(),
     );
-    assert!(
-        !events.iter().any(|e| e.starts_with("Pulling")),
-        "the pushed image was pulled: {events:?}"
-    );
+    assert!(pulls.is_empty(), "the pushed image was pulled: {pulls:?}");
 }

@@ -13,108 +13,46 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::path::PathBuf;
-use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use imgbridge_test_support::chart::{App, ChartNode, NS};
 use imgbridge_test_support::kubelet::{Kubelet, KubeletOpts, StaticPod, KUBELET_POD_TIMEOUT};
 use imgbridge_test_support::peers::Buildkitd;
 use imgbridge_test_support::prelude::*;
 use imgbridge_test_support::project::{project_image, ProjectImage};
-use imgbridge_test_support::util::run_ok;
 use serde_json::Value;
-use tempfile::TempDir;
 
 /// The chart's pod: `imgbridge` in `kube-system`, container `imgbridge`.
 const POD: &str = "imgbridge";
-const NS: &str = "kube-system";
 
-/// The node's paths the chart's pod mounts, all under one temp dir.
-struct Node {
-    dir: TempDir,
-    metrics: u16,
+/// Renders the chart's pod for `image` into kubelet's manifest dir
+/// (replacing the one there: kubelet rolls the pod).
+fn render(node: &ChartNode, k: &Kubelet, c: &Containerd, image: &ProjectImage) {
+    node.static_pod(&k.manifests().join("imgbridge.json"), c, image);
 }
 
-impl Node {
-    fn new() -> Node {
-        Node {
-            dir: tempdir("node-"),
-            metrics: free_port(),
-        }
-    }
-
-    /// The socket the pod exposes (the chart's `socket.dir`).
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("run-imgbridge/containerd.sock")
-    }
-
-    /// Renders the chart's pod for `image` into kubelet's manifest dir
-    /// (replacing the one there: kubelet rolls the pod).
-    fn render(&self, k: &Kubelet, c: &Containerd, image: &ProjectImage) {
-        let d = self.dir.path();
-        let mut cmd = Command::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/static-pod.sh"
-        ));
-        cmd.arg(k.manifests().join("imgbridge.json"))
-            .arg(d.join("etc-imgbridge"))
-            .arg("--set-string")
-            .arg(format!("containerdSocket={}", c.socket().display()))
-            .arg("--set-string")
-            .arg(format!("containerdConfig={}", c.config_path().display()))
-            .arg("--set-string")
-            .arg(format!("image.tag={}", image.tag))
-            .arg("--set-string")
-            .arg(format!("socket.dir={}", d.join("run-imgbridge").display()))
-            .arg("--set-string")
-            .arg(format!("stateDir={}", d.join("state").display()))
-            .args(["--set", "hostNetwork=true"])
-            .args(["--set", &format!("metrics.port={}", self.metrics)])
-            // A replica in k8s.io on return is the proxied write's doing,
-            // not the catch-up pass's.
-            .args(["--set", "config.reconcile.enabled=false"]);
-        run_ok(cmd);
-    }
-
-    /// Waits until kubelet reports the chart's pod running `image` and
-    /// ready (its readiness probe passed), and its socket answers.
-    fn wait_ready(&self, k: &Kubelet, image: &ProjectImage) -> Value {
-        let want = format!("imgbridge:{}", image.tag);
-        let sock = self.socket();
-        poll(KUBELET_POD_TIMEOUT, || {
-            let p = k.pod_in(NS, POD)?;
-            let s = &p["status"];
-            let ready = s["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True");
-            let image_ok = p["spec"]["containers"][0]["image"] == want.as_str();
-            let answers = std::os::unix::net::UnixStream::connect(&sock).is_ok();
-            (ready && image_ok && answers).then_some(p)
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "the chart's pod ({want}) is not ready within {KUBELET_POD_TIMEOUT:?}: kubelet reports {}\n--- its log ---\n{}\n--- kubelet log ---\n{}",
-                k.pod_in(NS, POD).map(|p| p["status"].to_string()).unwrap_or_else(|| "no such pod".into()),
-                k.pod_in(NS, POD).map(|p| k.log_of(&p, POD)).unwrap_or_default(),
-                k.log_tail()
-            )
-        })
-    }
-}
-
-fn busybox() -> Vec<u8> {
-    std::fs::read("/bin/busybox").expect("static busybox (busybox-static)")
-}
-
-/// Builds `docker.io/library/ds-app:<tag>` holding busybox and `/v` =
-/// `content` (FROM scratch: nothing to fetch).
-fn build_scratch(bk: &Buildkitd, tag: &str, content: &str) -> String {
-    bk.build(
-        "FROM scratch\nCOPY --chmod=755 busybox /bin/busybox\nCOPY v /v\n",
-        &[("busybox", &busybox()), ("v", content.as_bytes())],
-        &format!("type=image,name=docker.io/library/ds-app:{tag}"),
-        &[],
-    );
-    format!("ds-app:{tag}")
+/// Waits until kubelet reports the chart's pod running `image` and ready
+/// (its readiness probe passed), and its socket answers.
+fn wait_ready(node: &ChartNode, k: &Kubelet, image: &ProjectImage) -> Value {
+    let want = format!("imgbridge:{}", image.tag);
+    let sock = node.socket();
+    poll(KUBELET_POD_TIMEOUT, || {
+        let p = k.pod_in(NS, POD)?;
+        let s = &p["status"];
+        let ready = s["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True");
+        let image_ok = p["spec"]["containers"][0]["image"] == want.as_str();
+        let answers = std::os::unix::net::UnixStream::connect(&sock).is_ok();
+        (ready && image_ok && answers).then_some(p)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the chart's pod ({want}) is not ready within {KUBELET_POD_TIMEOUT:?}: kubelet reports {}\n--- its log ---\n{}\n--- kubelet log ---\n{}",
+            k.pod_in(NS, POD).map(|p| p["status"].to_string()).unwrap_or_else(|| "no such pod".into()),
+            k.pod_in(NS, POD).map(|p| k.log_of(&p, POD)).unwrap_or_default(),
+            k.log_tail()
+        )
+    })
 }
 
 /// Runs `image` in static pod `pod` (`imagePullPolicy: Never`: kubelet
@@ -146,10 +84,11 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
     for img in [&v1, &v2] {
         ctr_import(c.socket(), "k8s.io", &img.archive);
     }
-    let node = Node::new();
-    node.render(&k, &c, &v1);
+    let node = ChartNode::new();
+    let app = App::new("ds-app");
+    render(&node, &k, &c, &v1);
     let started = Instant::now();
-    let old = node.wait_ready(&k, &v1);
+    let old = wait_ready(&node, &k, &v1);
     eprintln!("the chart's pod ready in {:?}", started.elapsed());
 
     // A build through the pod's socket runs at once.
@@ -158,7 +97,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
         return;
     };
     let first = unique_name("ds-first");
-    let image = build_scratch(&bk, "1", &first);
+    let image = app.build(&bk, "1", &first);
     run_at_once(&k, "app-1", &image, "/v", &first);
 
     // The upgrade, with a build in flight: FROM a base in the registry with
@@ -181,7 +120,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
         // Opened now: kubelet removes the old pod's log with the pod.
         let mut old_log = File::open(k.log_path_of(&old, POD)).expect("the old pod's log");
         let upgrade = Instant::now();
-        node.render(&k, &c, &v2);
+        render(&node, &k, &c, &v2);
         let released = poll(Duration::from_secs(30), || {
             (!sock.exists()).then(|| upgrade.elapsed())
         });
@@ -192,7 +131,7 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
                 k.log_tail()
             )
         });
-        node.wait_ready(&k, &v2);
+        wait_ready(&node, &k, &v2);
         let serving = upgrade.elapsed();
         let built = build.join().expect("the build in flight at the upgrade");
         eprintln!(
@@ -230,10 +169,10 @@ fn chart_pod_serves_builds_and_upgrades_with_a_build_in_flight() {
     );
 
     // The next build goes through the new pod.
-    let new = node.wait_ready(&k, &v2);
+    let new = wait_ready(&node, &k, &v2);
     assert_ne!(old["metadata"]["uid"], new["metadata"]["uid"]);
     let next = unique_name("ds-next");
-    let image = build_scratch(&bk, "3", &next);
+    let image = app.build(&bk, "3", &next);
     run_at_once(&k, "app-3", &image, "/v", &next);
     assert!(
         k.log_of(&new, POD).contains("replicated"),

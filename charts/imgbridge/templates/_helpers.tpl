@@ -65,6 +65,15 @@ IfNotPresent
 {{- end -}}
 {{- end -}}
 
+{{/* The directory of containerd's config to mount: "" when none, or when the socket's mount already holds it. */}}
+{{- define "imgbridge.containerdConfigDir" -}}
+{{- with include "imgbridge.containerdConfig" . -}}
+{{- if ne (dir .) (include "imgbridge.upstream" $ | dir) -}}
+{{- dir . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Where /metrics, /healthz and /readyz listen (metrics.listen). */}}
 {{- define "imgbridge.metricsListen" -}}
 {{- if .Values.metrics.listen -}}

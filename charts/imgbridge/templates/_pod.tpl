@@ -35,10 +35,8 @@ it. No privilege otherwise: the capabilities are those of the systemd unit
   mountPath: {{ include "imgbridge.upstream" . | dir | quote }}
   readOnly: true
   mountPropagation: HostToContainer
-{{- with include "imgbridge.containerdConfig" . }}
-{{- if ne (dir .) (include "imgbridge.upstream" $ | dir) }}
-- { name: containerd-config, mountPath: {{ dir . | quote }}, readOnly: true }
-{{- end }}
+{{- with include "imgbridge.containerdConfigDir" . }}
+- { name: containerd-config, mountPath: {{ . | quote }}, readOnly: true }
 {{- end }}
 - { name: socket-dir, mountPath: {{ .Values.socket.dir | quote }} }
 - { name: state, mountPath: {{ .Values.stateDir | quote }} }
@@ -57,11 +55,9 @@ it. No privilege otherwise: the capabilities are those of the systemd unit
 {{- define "imgbridge.volumes" -}}
 - name: containerd
   hostPath: { path: {{ include "imgbridge.upstream" . | dir | quote }}, type: Directory }
-{{- with include "imgbridge.containerdConfig" . }}
-{{- if ne (dir .) (include "imgbridge.upstream" $ | dir) }}
+{{- with include "imgbridge.containerdConfigDir" . }}
 - name: containerd-config
-  hostPath: { path: {{ dir . | quote }}, type: DirectoryOrCreate }
-{{- end }}
+  hostPath: { path: {{ . | quote }}, type: DirectoryOrCreate }
 {{- end }}
 - name: socket-dir
   hostPath: { path: {{ .Values.socket.dir | quote }}, type: DirectoryOrCreate }

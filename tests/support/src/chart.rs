@@ -5,7 +5,7 @@
 //! Deployment pointed at fresh builds ([`App`]). `tests/cluster.rs` and
 //! `examples/bench_deployments.rs` share them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,19 @@ use crate::util::{free_port, output_with_timeout, poll, tempdir, TOOL_TIMEOUT};
 /// The release's namespace and name.
 pub const NS: &str = "kube-system";
 pub const RELEASE: &str = "imgbridge";
+/// The DaemonSet's pods.
+pub const DS_PODS: &str = "app.kubernetes.io/name=imgbridge";
+
+/// The events of pod `name` in `ns` that tell of a pull or a failure: a
+/// fresh build's pod must have none.
+pub fn pull_events(cp: &ControlPlane, ns: &str, name: &str) -> Vec<String> {
+    cp.events(ns, name)
+        .into_iter()
+        .filter(|e| {
+            e.starts_with("Pulling") || e.contains("ErrImageNeverPull") || e.starts_with("Failed")
+        })
+        .collect()
+}
 
 /// helm as the admin, with its own config, cache and data dirs.
 pub struct Helm {
@@ -86,8 +99,20 @@ impl ChartNode {
         ChartNode::default()
     }
 
+    /// The socket the pod exposes (the chart's `socket.dir`).
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("run-imgbridge/containerd.sock")
+    }
+
+    /// Renders the chart's pod for `image` as static pod `manifest`
+    /// (`scripts/static-pod.sh`, config under this node's dir): for a
+    /// kubelet without an API server.
+    pub fn static_pod(&self, manifest: &Path, c: &Containerd, image: &ProjectImage) {
+        let mut cmd = Command::new(crate::repo::script("static-pod.sh"));
+        cmd.arg(manifest)
+            .arg(self.dir.path().join("etc-imgbridge"))
+            .args(self.values(c, image));
+        crate::util::run_ok(cmd);
     }
 
     /// The chart's values for this node and `image`: `--set-string` for
@@ -251,6 +276,19 @@ impl App {
                 "template": {"metadata": {"labels": {"app": app}}, "spec": spec},
             },
         })
+    }
+
+    /// Its pods (any phase).
+    pub fn pods(&self, cp: &ControlPlane) -> Option<Vec<Value>> {
+        cp.pods("default", &format!("app={}", self.name))
+    }
+
+    /// Waits until a rollout has left one pod (the old one gone).
+    pub fn wait_rolled_out(&self, cp: &ControlPlane) {
+        poll(CLUSTER_TIMEOUT, || {
+            (self.pods(cp)?.len() == 1).then_some(())
+        })
+        .unwrap_or_else(|| panic!("the old pods of {} never went", self.name));
     }
 
     /// Waits until its pod of `image` runs and printed `content`.

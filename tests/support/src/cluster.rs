@@ -30,27 +30,28 @@ use crate::util::{free_port, http_get, output_with_timeout, poll, run_ok, tempdi
 pub const CLUSTER_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The identities the harness issues, each a client certificate signed by
-/// its CA: (file stem, CN, O).
-const CLIENTS: [(&str, &str, &str); 5] = [
-    ("admin", "imgbridge-test-admin", "system:masters"),
-    (
-        "kubelet",
-        concat!("system:node:", "imgbridge-node"),
-        "system:nodes",
-    ),
-    ("controller-manager", "system:kube-controller-manager", ""),
-    ("scheduler", "system:kube-scheduler", ""),
-    (
-        "apiserver-kubelet-client",
-        "kube-apiserver-kubelet-client",
-        "system:masters",
-    ),
-];
+/// its CA: (file stem, subject).
+fn clients() -> [(&'static str, String); 5] {
+    [
+        ("admin", "/O=system:masters/CN=imgbridge-test-admin".into()),
+        ("kubelet", format!("/O=system:nodes/CN=system:node:{NODE}")),
+        (
+            "controller-manager",
+            "/CN=system:kube-controller-manager".into(),
+        ),
+        ("scheduler", "/CN=system:kube-scheduler".into()),
+        (
+            "apiserver-kubelet-client",
+            "/O=system:masters/CN=kube-apiserver-kubelet-client".into(),
+        ),
+    ]
+}
 
 /// etcd, the API server, the controller manager and the scheduler.
 pub struct ControlPlane {
     peer: &'static Peer,
     dir: TempDir,
+    /// The API server's URL.
     server: String,
     scheduler: Option<Daemon>,
     controller_manager: Option<Daemon>,
@@ -63,7 +64,6 @@ impl ControlPlane {
     /// the controller manager has made the `default` service account.
     /// `None` when peers are skipped.
     pub fn start() -> Option<ControlPlane> {
-        assert_eq!(CLIENTS[1].1, format!("system:node:{NODE}"));
         let kube = peer("kubelet")?;
         let etcd_peer = peer("etcd")?;
         let dir = tempdir("control-plane-");
@@ -105,13 +105,13 @@ impl ControlPlane {
         let mut cp = ControlPlane {
             peer: kube,
             dir,
-            server: server.clone(),
+            server,
             scheduler: None,
             controller_manager: None,
             apiserver: None,
             etcd: Some(etcd),
         };
-        for (stem, _, _) in CLIENTS {
+        for (stem, _) in clients() {
             fs::write(cp.kubeconfig_of(stem), cp.kubeconfig_text(stem)).expect("write kubeconfig");
         }
 
@@ -206,11 +206,6 @@ impl ControlPlane {
         Daemon::spawn(bin, cmd, &d.join(format!("{bin}.log")))
     }
 
-    /// The API server's URL.
-    pub fn server(&self) -> &str {
-        &self.server
-    }
-
     /// The admin's kubeconfig (`system:masters`), for kubectl and helm.
     pub fn kubeconfig(&self) -> PathBuf {
         self.kubeconfig_of("admin")
@@ -236,25 +231,29 @@ impl ControlPlane {
         )
     }
 
+    /// `kubectl` as the admin.
+    fn kubectl_command(&self) -> Command {
+        let mut cmd = Command::new(self.peer.bin_dir.join("kubectl"));
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig().display()))
+            .arg("--request-timeout=20s");
+        cmd
+    }
+
     /// `kubectl ARGS` as the admin.
     pub fn kubectl<I, S>(&self, args: I) -> Output
     where
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
-        let mut cmd = Command::new(self.peer.bin_dir.join("kubectl"));
-        cmd.arg(format!("--kubeconfig={}", self.kubeconfig().display()))
-            .arg("--request-timeout=20s")
-            .args(args);
+        let mut cmd = self.kubectl_command();
+        cmd.args(args);
         output_with_timeout(cmd, TOOL_TIMEOUT)
     }
 
     /// `kubectl ARGS`, which must succeed: its stdout.
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
-        let mut cmd = Command::new(self.peer.bin_dir.join("kubectl"));
-        cmd.arg(format!("--kubeconfig={}", self.kubeconfig().display()))
-            .arg("--request-timeout=20s")
-            .args(args);
+        let mut cmd = self.kubectl_command();
+        cmd.args(args);
         String::from_utf8_lossy(&run_ok(cmd).stdout).into_owned()
     }
 
@@ -265,6 +264,12 @@ impl ControlPlane {
             .success()
             .then(|| serde_json::from_slice(&out.stdout).ok())
             .flatten()
+    }
+
+    /// The pods of namespace `ns` matching label `selector` (any phase).
+    pub fn pods(&self, ns: &str, selector: &str) -> Option<Vec<Value>> {
+        let pods = self.get(&["-n", ns, "get", "pods", "-l", selector])?;
+        pods["items"].as_array().cloned()
     }
 
     /// `kubectl apply` of one object.
@@ -279,14 +284,14 @@ impl ControlPlane {
     }
 
     /// Waits until the node is registered and Ready.
-    pub fn wait_node_ready(&self) -> Value {
+    pub fn wait_node_ready(&self) {
         poll(CLUSTER_TIMEOUT, || {
             let n = self.get(&["get", "node", NODE])?;
             n["status"]["conditions"]
                 .as_array()?
                 .iter()
                 .any(|c| c["type"] == "Ready" && c["status"] == "True")
-                .then_some(n)
+                .then_some(())
         })
         .unwrap_or_else(|| {
             panic!(
@@ -319,10 +324,6 @@ impl ControlPlane {
     pub fn log_tail(&self, component: &str) -> String {
         crate::util::tail_file(&self.dir.path().join(format!("{component}.log")), 40)
     }
-
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
 }
 
 impl Drop for ControlPlane {
@@ -351,7 +352,7 @@ fn ready(daemon: &mut Daemon, name: &str, check: impl FnMut() -> bool) {
 }
 
 /// The CA, the API server's serving certificate (127.0.0.1 and localhost),
-/// a client certificate for each of [`CLIENTS`] and the service-account
+/// a client certificate for each of [`clients`] and the service-account
 /// signing key, all EC P-256, valid two days.
 fn issue_certificates(pki: &Path) {
     let openssl = |args: &[&str]| {
@@ -427,15 +428,10 @@ fn issue_certificates(pki: &Path) {
         "/CN=kube-apiserver",
         "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc,IP:10.96.0.1\n",
     );
-    for (stem, cn, org) in CLIENTS {
-        let subj = if org.is_empty() {
-            format!("/CN={cn}")
-        } else {
-            format!("/O={org}/CN={cn}")
-        };
+    for (stem, subject) in clients() {
         leaf(
             stem,
-            &subj,
+            &subject,
             "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
         );
     }
