@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{self, StreamExt};
 use imgbridge::containerd::content::BlobRef;
 use imgbridge::containerd::{request, Containerd, Descriptor, Image};
-use imgbridge::reference::Reference;
+use imgbridge::oci::Reference;
 use imgbridge::replicate::cri_view::CriView;
 use imgbridge::replicate::tree;
 use sha2::{Digest, Sha256};
@@ -210,9 +210,11 @@ async fn burst(a: &Args, c: &Containerd) -> Res<()> {
         &c.read_small(SOURCE, &target.digest, tree::MAX_MANIFEST)
             .await?,
     )?
+    .doc
     .config
     .ok_or("the burst image has no config")?
-    .digest;
+    .digest
+    .to_string();
     for r in 0..rounds {
         for v in round_order(&[DIRECT, PROXY, FLOOR, CRI_UNMARKED, CRI_MARKED], r) {
             clean(c, &[SOURCE.to_string(), TARGET.to_string()], &keep).await?;
@@ -569,9 +571,9 @@ async fn tree_blobs(c: &Containerd, ns: &str, root: &Descriptor) -> Res<Vec<(Str
     while let Some(d) = queue.pop() {
         let node = tree::parse(&c.read_small(ns, &d, tree::MAX_MANIFEST).await?)?;
         for ch in node.children() {
-            out.push((ch.digest.clone(), ch.size));
+            out.push((ch.digest.to_string(), ch.size));
             if tree::is_parent(&ch.media_type) {
-                queue.push(ch.digest.clone());
+                queue.push(ch.digest.to_string());
             }
         }
     }

@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::containerd::Containerd;
+use crate::containerd::{orphans, Containerd};
 use crate::ops::{self, Ops};
 use crate::proxy::{self, ProxyConfig};
 use crate::replicate::{hooks::ImageHooks, Replicator, Settings};
@@ -70,6 +70,22 @@ pub async fn serve(
     // broke containerd's connection is held back whoever retries it.
     let containerd = Containerd::new(&config.upstream);
     containerd.breaker().observe(ops.metrics.clone());
+    // A killed imgbridge's leases and ingests: released as soon as it is
+    // known dead, not at their expiry (docs/design.md, "Leases").
+    let _presence = match orphans::Presence::claim(&config.owners_dir()) {
+        Ok(p) => {
+            tasks.push(tokio::spawn(orphans::sweep_forever(
+                containerd.new_connection(),
+                config.owners_dir(),
+                stop.clone(),
+            )));
+            Some(p)
+        }
+        Err(e) => {
+            tracing::warn!(dir = %config.owners_dir().display(), error = %e, "cannot mark this imgbridge as alive there; the leases of a killed imgbridge will only expire on their own (make the directory of `listen` writable)");
+            None
+        }
+    };
     if !config.import.dirs.is_empty() {
         tasks.push(tokio::spawn(crate::import::run(
             containerd.new_connection(),

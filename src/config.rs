@@ -311,6 +311,16 @@ impl Default for Log {
 }
 
 impl Config {
+    /// Where live imgbridges serving `listen` mark themselves alive
+    /// ([`crate::containerd::orphans`]): beside the socket, which every
+    /// instance that serves it shares.
+    pub fn owners_dir(&self) -> PathBuf {
+        self.listen
+            .parent()
+            .unwrap_or(std::path::Path::new("/"))
+            .join("imgbridge-owners")
+    }
+
     /// Parses TOML text; `origin` names the file in errors.
     pub fn from_toml(text: &str, origin: &std::path::Path) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse {

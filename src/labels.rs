@@ -32,6 +32,10 @@ pub const REGISTRY_REPOSITORY: &str = "io.imgbridge.registry.repository";
 /// The `subject` digest of a manifest pushed through the registry (the
 /// referrers API lists records by it).
 pub const REGISTRY_SUBJECT: &str = "io.imgbridge.registry.subject";
+/// The imgbridge process that made a lease ([`crate::containerd::leases::owner`]):
+/// what a later one goes by to release a dead one's leases at once
+/// ([`crate::containerd::orphans`]).
+pub const OWNER: &str = "io.imgbridge.owner";
 /// The media type a manifest was pushed with, on its content blob (a
 /// manifest need not name its own `mediaType`).
 pub const REGISTRY_MEDIA_TYPE: &str = "io.imgbridge.registry.media-type";

@@ -4,8 +4,9 @@
 //! Layout: [`proxy`] is transport only; [`replicate`] owns the replication
 //! contract; [`reconcile`] and [`import`] feed it or write images themselves,
 //! as does [`registry`], the node-local OCI distribution endpoint;
-//! [`containerd`] wraps the typed API; [`labels`] holds every label key and
-//! media type; [`app`] wires them together. Only [`ops`] knows about metrics
+//! [`containerd`] wraps the typed API; [`oci`] is the vocabulary all of them
+//! share (digests, names, references, manifests); [`labels`] holds every
+//! label key and media type; [`app`] wires them together. Only [`ops`] knows about metrics
 //! and readiness: the other modules report through observer traits they own,
 //! which `ops` implements.
 
@@ -20,10 +21,10 @@ pub mod import;
 pub mod labels;
 pub mod listener;
 pub mod lock;
+pub mod oci;
 pub mod ops;
 pub mod proxy;
 pub mod reconcile;
-pub mod reference;
 pub mod registry;
 pub mod replicate;
 

@@ -13,7 +13,7 @@ use containerd_client::types::Descriptor;
 use http_body_util::BodyExt;
 use imgbridge_test_support::ctr::ctr_ingest;
 use imgbridge_test_support::front;
-use imgbridge_test_support::grpc::{create_image, try_containerd_channel};
+use imgbridge_test_support::grpc::{create_image, leases_and_ingests, try_containerd_channel};
 use imgbridge_test_support::prelude::*;
 use prost::Message;
 
@@ -41,7 +41,7 @@ async fn unreplicated(sock: &Path) -> Vec<String> {
     };
     let mut missing = Vec::new();
     for i in src.into_inner().images {
-        let name = imgbridge::reference::normalize(&i.name).unwrap();
+        let name = imgbridge::oci::reference::normalize(&i.name).unwrap();
         let r = get_image(sock, K8S, &name).await;
         if r.and_then(|r| r.target).map(|t| t.digest) != i.target.map(|t| t.digest) {
             missing.push(name);
@@ -227,7 +227,9 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
     let (c, _img, t) = seeded("crash:1").await;
     let mut p = Imgbridge::start(c.socket(), &[]);
     let sock = p.socket().to_path_buf();
+    let listen = sock.clone();
     let writer = tokio::spawn(async move {
+        let sock = listen;
         // Creates fail once imgbridge is killed (and connecting is refused
         // after it); count those that went through.
         let mut created = 0;
@@ -252,9 +254,28 @@ async fn imgbridge_killed_mid_replication_restart_converges() {
     p.kill9();
     let created = writer.await.unwrap();
     assert!(created >= 1, "no create went through before the kill");
-    let _p2 = Imgbridge::start(c.socket(), &[]);
+    // What the killed one left: its leases (replications', the spare).
+    let (leases, _) = leases_and_ingests(c.socket()).await;
+    let dead: Vec<String> = leases.into_iter().filter_map(|(_, _, o)| o).collect();
+    assert!(!dead.is_empty(), "the killed imgbridge left no lease");
+    let _p2 = Imgbridge::start_at(&sock, c.socket(), &[]);
     let r = all_replicated(c.socket(), Duration::from_secs(10)).await;
     assert!(r.is_ok(), "restart did not converge: {r:?}");
+    // The next imgbridge on the socket releases them at once, not at their
+    // expiry.
+    let clean = poll_async(Duration::from_secs(10), || async {
+        let (leases, ingests) = leases_and_ingests(c.socket()).await;
+        let left = leases
+            .iter()
+            .any(|(_, _, o)| o.as_ref().is_some_and(|o| dead.contains(o)));
+        (!left && ingests.is_empty()).then_some(())
+    })
+    .await;
+    let (leases, ingests) = leases_and_ingests(c.socket()).await;
+    assert!(
+        clean.is_some(),
+        "the killed imgbridge's leases ({dead:?}) remain: {leases:?}, ingests {ingests:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------

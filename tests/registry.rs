@@ -10,10 +10,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use imgbridge_test_support::cri::{cri_image_client, run_hello_pod};
-use imgbridge_test_support::grpc::content_info;
+use imgbridge_test_support::grpc::{content_client, content_info, leases_and_ingests, with_ns};
 use imgbridge_test_support::images::host_arch;
 use imgbridge_test_support::peers::{go_command, peer, Buildkitd};
 use imgbridge_test_support::prelude::*;
+use imgbridge_test_support::scenario::config_file;
 use imgbridge_test_support::util::{http_status, output_with_timeout, READY_TIMEOUT, TOOL_TIMEOUT};
 
 const SRC: &str = "buildkit";
@@ -43,13 +44,35 @@ struct Setup {
 }
 
 fn start(extra: &str) -> Setup {
-    // Port 0 for both: a port picked beforehand can be taken by another
-    // process before imgbridge binds it; the log says which ones it got.
-    let (c, p) = Scenario::cri()
-        .config(&format!(
-            "[reconcile]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n[registry]\nlisten = \"127.0.0.1:0\"\n{extra}\n"
-        ))
-        .start();
+    let c = Scenario::cri().containerd();
+    let cfg = config_file(&format!(
+        "[reconcile]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n[registry]\nlisten = \"127.0.0.1:0\"\n{extra}\n"
+    ));
+    let (p, addr, metrics) = serve(&c, None, &cfg);
+    Setup {
+        c,
+        p,
+        addr,
+        metrics,
+    }
+}
+
+/// imgbridge with config file `cfg` in front of `c` (listening on `at`,
+/// else a socket of its own), once its endpoint answers; with the
+/// endpoint's and the metrics' addresses. Port 0 for both: a port picked
+/// beforehand can be taken by another process before imgbridge binds it;
+/// the log says which ones it got.
+fn serve(
+    c: &Containerd,
+    at: Option<&std::path::Path>,
+    cfg: &std::path::Path,
+) -> (Imgbridge, String, String) {
+    let cfg = cfg.display().to_string();
+    let args = ["--config", cfg.as_str()];
+    let p = match at {
+        Some(sock) => Imgbridge::start_at(sock, c.socket(), &args),
+        None => Imgbridge::start(c.socket(), &args),
+    };
     let bound = |what: &str| {
         poll(READY_TIMEOUT, || {
             let log = p.log();
@@ -69,12 +92,7 @@ fn start(extra: &str) -> Setup {
         "registry endpoint not up on {addr}:\n{}",
         p.log_tail()
     );
-    Setup {
-        c,
-        p,
-        addr,
-        metrics,
-    }
+    (p, addr, metrics)
 }
 
 impl Setup {
@@ -1068,4 +1086,118 @@ async fn idle_upload_sessions_are_bounded_and_expire() {
     // And the endpoint takes uploads again.
     let r = http(&s.addr, "POST", "/v2/idle/blobs/uploads/", &[], b"");
     assert_eq!(r.status, 202, "{}", r.text());
+}
+
+/// imgbridge SIGKILLed in the middle of a 200 MiB push leaves its
+/// upload's lease and half-written ingest in containerd (they would hold
+/// the bytes until the lease expires, two hours later). The next
+/// imgbridge on that socket releases them within seconds, and the
+/// client's retry of the push succeeds and runs at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_push_leaves_nothing_behind() {
+    const LAYER: usize = 200 << 20;
+    let c = Scenario::cri().containerd();
+    let cfg = config_file(
+        "[reconcile]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:0\"\n[registry]\nlisten = \"127.0.0.1:0\"\n",
+    );
+    let (mut p, addr, _) = serve(&c, None, &cfg);
+    let sock = p.socket().to_path_buf();
+    let img = TestImage::build(
+        "reg-killed:1",
+        1,
+        &["/bin/busybox", "cat", "/layer1.txt"],
+        LAYER,
+    );
+    let layer = {
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(img.layout().join("index.json")).unwrap())
+                .unwrap();
+        let blob = |d: &str| {
+            std::fs::read(
+                img.layout()
+                    .join("blobs/sha256")
+                    .join(d.trim_start_matches("sha256:")),
+            )
+            .unwrap()
+        };
+        let m: serde_json::Value =
+            serde_json::from_slice(&blob(index["manifests"][0]["digest"].as_str().unwrap()))
+                .unwrap();
+        let layers = m["layers"].as_array().unwrap();
+        blob(layers.last().unwrap()["digest"].as_str().unwrap())
+    };
+    assert!(layer.len() >= LAYER, "layer of {} bytes", layer.len());
+
+    // The push: a session, then one PATCH of the whole layer whose second
+    // half never comes.
+    let r = http(&addr, "POST", "/v2/reg-killed/blobs/uploads/", &[], b"");
+    assert_eq!(r.status, 202, "{}", r.text());
+    let loc = r.header("location").unwrap().to_string();
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "PATCH {loc} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\n\r\n",
+        layer.len()
+    )
+    .unwrap();
+    let half = layer.len() / 2;
+    conn.write_all(&layer[..half]).unwrap();
+    let written = poll(READY_TIMEOUT, || {
+        let st = block_on(async {
+            content_client(c.socket())
+                .await
+                .list_statuses(with_ns(
+                    containerd_client::services::v1::ListStatusesRequest::default(),
+                    SRC,
+                ))
+                .await
+                .unwrap()
+                .into_inner()
+                .statuses
+        });
+        st.iter()
+            .any(|s| s.offset as usize >= half - (2 << 20))
+            .then_some(())
+    });
+    assert!(
+        written.is_some(),
+        "the first half never reached containerd:\n{}",
+        p.log_tail()
+    );
+
+    p.kill9();
+    drop(conn);
+    let (leases, ingests) = leases_and_ingests(c.socket()).await;
+    let dead: Vec<String> = leases.iter().filter_map(|(_, _, o)| o.clone()).collect();
+    assert!(
+        !dead.is_empty() && !ingests.is_empty(),
+        "nothing left to clean up after the kill (leases {leases:?}, ingests {ingests:?})"
+    );
+
+    let restarted = std::time::Instant::now();
+    let (_p2, addr2, _) = serve(&c, Some(&sock), &cfg);
+    let clean = poll(Duration::from_secs(10), || {
+        let (leases, ingests) = block_on(leases_and_ingests(c.socket()));
+        let left: Vec<_> = leases
+            .iter()
+            .filter(|(_, _, o)| o.as_ref().is_some_and(|o| dead.contains(o)))
+            .collect();
+        (left.is_empty() && ingests.is_empty()).then_some(())
+    });
+    let (leases, ingests) = leases_and_ingests(c.socket()).await;
+    assert!(
+        clean.is_some(),
+        "10 s after the restart, the killed imgbridge's leases ({dead:?}) or ingests remain: leases {leases:?}, ingests {ingests:?}"
+    );
+    eprintln!(
+        "leftovers released {:?} after the restart",
+        restarted.elapsed()
+    );
+
+    // The client's retry: the whole push again, and the pod at once.
+    let dest = img.push(&addr2);
+    run_pod(c.socket(), &dest, &[], "layer 1 of reg-killed:1")
+        .await
+        .cleanup()
+        .await;
 }

@@ -224,7 +224,7 @@ impl Containerd {
     }
 
     /// Best effort: a failed ingest otherwise lingers until it expires.
-    async fn abort_ingest(&self, ns: &str, lease: Option<&str>, reference: &str) {
+    pub(crate) async fn abort_ingest(&self, ns: &str, lease: Option<&str>, reference: &str) {
         let _ = self
             .content()
             .abort(request(

@@ -78,6 +78,20 @@ impl Containerd {
             .collect())
     }
 
+    /// The names of every namespace.
+    pub async fn list_namespaces(&self) -> Result<Vec<String>> {
+        Ok(self
+            .namespaces()
+            .list(api::ListNamespacesRequest::default())
+            .await
+            .map_err(Error::status("Namespaces.List"))?
+            .into_inner()
+            .namespaces
+            .into_iter()
+            .map(|n| n.name)
+            .collect())
+    }
+
     /// Labels of namespace `name`, `None` if it does not exist.
     pub async fn namespace_labels(&self, name: &str) -> Result<Option<HashMap<String, String>>> {
         match self

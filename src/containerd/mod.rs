@@ -8,6 +8,7 @@ pub mod images;
 pub mod introspect;
 pub mod leases;
 pub mod node_config;
+pub mod orphans;
 pub mod sandbox;
 
 use std::path::{Path, PathBuf};

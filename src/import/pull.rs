@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::containerd::Containerd;
-use crate::reference::{self, ReferenceError};
+use crate::oci::reference::{self, ReferenceError};
 
 /// CRI always pulls into this namespace.
 pub use crate::labels::CRI_NAMESPACE;

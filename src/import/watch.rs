@@ -1,5 +1,5 @@
 //! inotify watching of the import directories, robust to what users do to
-//! them (reference rust-engineering §3, k3s review comments):
+//! them (what k3s's and k0s's watchers were asked to survive):
 //!
 //! - the directory may not exist yet: we watch its nearest existing
 //!   ancestor (and that one's parent) and arm the directory when it appears;

@@ -203,11 +203,9 @@ pub async fn import_archive(
     opts: ReadOptions,
     source: Option<&str>,
 ) -> Result<ArchiveOutcome, ImportError> {
-    let lease = c.create_lease(ns, LEASE_TTL).await?;
-    let res = import_leased(c, ns, path, opts, source, &lease).await;
-    if let Err(e) = c.delete_lease(ns, &lease).await {
-        tracing::warn!(lease, error = %crate::import::esc(&e), "releasing import lease failed; it expires on its own");
-    }
+    let lease = c.lease(ns, LEASE_TTL).await?;
+    let res = import_leased(c, ns, path, opts, source, lease.id()).await;
+    lease.release().await;
     res
 }
 

@@ -6,7 +6,7 @@
 //! before uploading never sends a layer the node already has.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use futures_util::StreamExt;
 use http::{Response, StatusCode};
@@ -15,8 +15,10 @@ use http_body_util::{BodyExt, StreamBody};
 use crate::containerd::content::BlobRef;
 use crate::labels::GC_REF_CONTENT;
 
+use crate::lock::lock;
+use crate::oci::Digest;
+
 use super::errors::{Code, Error, Result};
-use super::names::Digest;
 use super::{answer, Body, Registry};
 
 /// Blobs a client deleted: not linked back from another namespace (a
@@ -30,10 +32,8 @@ pub struct Tombstones {
 const TOMBSTONES: usize = 65536;
 
 impl Tombstones {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (HashSet<String>, VecDeque<String>)> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, (HashSet<String>, VecDeque<String>)> {
+        lock(&self.inner)
     }
 
     pub fn bury(&self, d: &str) {
@@ -97,15 +97,8 @@ impl Registry {
     }
 
     async fn link_from_elsewhere(&self, d: &Digest) -> Result<Option<i64>> {
-        let namespaces = self
-            .c
-            .namespaces()
-            .list(containerd_client::services::v1::ListNamespacesRequest::default())
-            .await
-            .map_err(crate::containerd::Error::status("Namespaces.List"))?
-            .into_inner()
-            .namespaces;
-        for ns in namespaces.iter().map(|n| n.name.as_str()) {
+        for ns in self.c.list_namespaces().await? {
+            let ns = ns.as_str();
             if ns == self.ns() {
                 continue;
             }
@@ -119,27 +112,24 @@ impl Registry {
                 .filter(|(k, _)| k.starts_with(GC_REF_CONTENT))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            let lease = self
-                .c
-                .create_lease(self.ns(), self.s.upload_expiry * 2)
-                .await?;
+            let lease = self.upload_lease().await?;
             let blob = BlobRef {
                 digest: d.as_str(),
                 size: info.size,
                 labels: &labels,
             };
-            match self.c.link_or_copy(ns, self.ns(), Some(&lease), blob).await {
+            match self
+                .c
+                .link_or_copy(ns, self.ns(), Some(lease.id()), blob)
+                .await
+            {
                 Ok(how) => {
                     tracing::debug!(digest = %d, from = ns, ?how, "registry: blob linked from another namespace");
-                    self.held.add(
-                        d.as_str(),
-                        lease,
-                        std::time::Instant::now() + self.s.upload_expiry,
-                    );
+                    self.hold(d.as_str(), lease);
                     return Ok(Some(info.size));
                 }
                 Err(e) => {
-                    super::session::release(&self.c, self.ns(), vec![lease]).await;
+                    lease.release().await;
                     return Err(e.into());
                 }
             }
@@ -149,14 +139,12 @@ impl Registry {
 
     pub(super) async fn get_blob(
         &self,
-        _name: &str,
-        d: &str,
+        d: &Digest,
         range: Option<&str>,
         head: bool,
     ) -> Result<Response<Body>> {
-        let d = Digest::parse(d)?;
         let unknown = || Error::new(Code::BlobUnknown, format!("blob {d} is not here"));
-        let size = self.blob_size(&d).await?.ok_or_else(unknown)?;
+        let size = self.blob_size(d).await?.ok_or_else(unknown)?;
         let (status, first, last) = match byte_range(range, size) {
             None => (StatusCode::OK, 0, size - 1),
             Some(Ok((a, b))) => (StatusCode::PARTIAL_CONTENT, a, b),
@@ -197,8 +185,7 @@ impl Registry {
         Ok(r)
     }
 
-    pub(super) async fn delete_blob(&self, _name: &str, d: &str) -> Result<Response<Body>> {
-        let d = Digest::parse(d)?;
+    pub(super) async fn delete_blob(&self, d: &Digest) -> Result<Response<Body>> {
         self.tombstones.bury(d.as_str());
         if self.c.delete_content(self.ns(), d.as_str()).await? {
             Ok(answer(StatusCode::ACCEPTED, &[]))

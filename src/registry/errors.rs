@@ -7,6 +7,7 @@ use http::{header, HeaderValue, StatusCode};
 
 use super::Body;
 use crate::containerd;
+use crate::oci::{DigestError, NameError};
 
 /// The spec's error codes (distribution-spec v1.1, "Error Codes").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,5 +133,24 @@ impl Error {
 impl From<containerd::Error> for Error {
     fn from(e: containerd::Error) -> Error {
         Error::containerd(e)
+    }
+}
+
+impl From<DigestError> for Error {
+    fn from(e: DigestError) -> Error {
+        Error::new(Code::DigestInvalid, e.to_string())
+    }
+}
+
+/// A bad name is `NAME_INVALID`, a bad tag `MANIFEST_INVALID` (the
+/// reference of a manifest), a bad digest `DIGEST_INVALID`.
+impl From<NameError> for Error {
+    fn from(e: NameError) -> Error {
+        let code = match &e {
+            NameError::Repository(_) => Code::NameInvalid,
+            NameError::Tag(_) => Code::ManifestInvalid,
+            NameError::Digest(_) => Code::DigestInvalid,
+        };
+        Error::new(code, e.to_string())
     }
 }

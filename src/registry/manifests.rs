@@ -15,117 +15,72 @@ use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use serde_json::Value;
 
 use crate::containerd::content::IngestStart;
 use crate::containerd::{Descriptor, Image};
 use crate::labels::{
-    media_type, MediaType, GC_REF_CONTENT, REGISTRY_MEDIA_TYPE, REGISTRY_REPOSITORY,
-    REGISTRY_SUBJECT, REPLICATE, REPLICATE_NO,
+    media_type, REGISTRY_MEDIA_TYPE, REGISTRY_REPOSITORY, REGISTRY_SUBJECT, REPLICATE, REPLICATE_NO,
 };
+use crate::oci::{Digest, Manifest, ManifestRef, Repository};
 
 use super::errors::{Code, Error, Result};
-use super::names::{Digest, Reference};
 use super::{answer, full, Body, Registry};
 
 /// How long the lease that covers a manifest between its commit and its
 /// record may live (it is released as soon as the record is written).
 const MANIFEST_LEASE: Duration = Duration::from_secs(600);
 
-/// A child a manifest names.
-struct Child {
-    digest: String,
-    /// Its GC label key (`containerd.io/gc.ref.content.l.0`).
-    gc_key: String,
-    /// Must be in the store (not a non-distributable layer).
-    required: bool,
-}
-
-/// What a PUT manifest holds that matters here.
-struct Parsed {
-    media_type: String,
-    children: Vec<Child>,
-    subject: Option<String>,
-    /// An image CRI can run (else an artefact: stored, never replicated).
-    image: bool,
-}
-
 fn is_manifest_type(t: &str) -> bool {
     media_type::is_manifest(t) || media_type::is_index(t)
 }
 
-/// An image config CRI understands (OCI or Docker).
-fn is_image_config(t: &str) -> bool {
-    t == MediaType::ImageConfig.as_ref() || t == media_type::DOCKER_CONFIG
+/// A manifest PUT, read and checked: what is stored and recorded.
+struct Push {
+    name: Repository,
+    reference: ManifestRef,
+    /// The host the record is named with.
+    host: String,
+    body: Bytes,
+    digest: Digest,
+    media_type: String,
+    doc: Manifest,
 }
 
-fn nondistributable(d: &Value) -> bool {
-    let t = d["mediaType"].as_str().unwrap_or("");
-    t.contains("nondistributable")
-        || t.contains(".foreign.")
-        || d["urls"].as_array().is_some_and(|u| !u.is_empty())
-}
+impl Push {
+    /// An image pushed by tag: replicated before the reply. Artefacts and
+    /// manifests pushed by digest only are stored, never given to CRI.
+    fn replicated(&self) -> bool {
+        self.doc.runnable() && matches!(self.reference, ManifestRef::Tag(_))
+    }
 
-fn parse(doc: &Value, media_type: &str) -> Result<Parsed> {
-    let bad = |m: &str| Error::new(Code::ManifestInvalid, m.to_string());
-    let desc_digest = |d: &Value| -> Result<String> {
-        let s = d["digest"]
-            .as_str()
-            .ok_or_else(|| bad("a descriptor has no digest"))?;
-        Ok(Digest::parse(s)?.to_string())
-    };
-    let mut children = Vec::new();
-    let artifact_type = doc["artifactType"].as_str().filter(|t| !t.is_empty());
-    let subject = match &doc["subject"] {
-        Value::Null => None,
-        s => Some(desc_digest(s)?),
-    };
-    let image = if media_type::is_index(media_type) {
-        let ms = doc["manifests"]
-            .as_array()
-            .ok_or_else(|| bad("an index without \"manifests\""))?;
-        for (i, m) in ms.iter().enumerate() {
-            children.push(Child {
-                digest: desc_digest(m)?,
-                gc_key: format!("{GC_REF_CONTENT}.m.{i}"),
-                required: true,
-            });
+    fn record_name(&self) -> String {
+        let (host, name) = (&self.host, &self.name);
+        match &self.reference {
+            ManifestRef::Tag(t) => format!("{host}/{name}:{t}"),
+            ManifestRef::Digest(d) => format!("{host}/{name}@{d}"),
         }
-        artifact_type.is_none()
-            && subject.is_none()
-            && !ms.is_empty()
-            && ms
-                .iter()
-                .all(|m| is_manifest_type(m["mediaType"].as_str().unwrap_or("")))
-    } else {
-        let config = &doc["config"];
-        if config.is_null() {
-            return Err(bad("a manifest without \"config\""));
+    }
+
+    fn record(&self) -> Image {
+        let mut labels = HashMap::from([(REGISTRY_REPOSITORY.to_string(), self.name.to_string())]);
+        if let Some(s) = &self.doc.subject {
+            labels.insert(REGISTRY_SUBJECT.into(), s.digest.to_string());
         }
-        children.push(Child {
-            digest: desc_digest(config)?,
-            gc_key: format!("{GC_REF_CONTENT}.config"),
-            required: true,
-        });
-        let layers = doc["layers"].as_array().map_or(&[][..], Vec::as_slice);
-        for (i, l) in layers.iter().enumerate() {
-            children.push(Child {
-                digest: desc_digest(l)?,
-                gc_key: format!("{GC_REF_CONTENT}.l.{i}"),
-                required: !nondistributable(l),
-            });
+        if !self.replicated() {
+            labels.insert(REPLICATE.into(), REPLICATE_NO.into());
         }
-        artifact_type.is_none()
-            && subject.is_none()
-            && !layers.is_empty()
-            && is_image_config(config["mediaType"].as_str().unwrap_or(""))
-    };
-    Ok(Parsed {
-        media_type: media_type.to_string(),
-        children,
-        subject,
-        image,
-    })
+        Image {
+            name: self.record_name(),
+            labels,
+            target: Some(Descriptor {
+                media_type: self.media_type.clone(),
+                digest: self.digest.to_string(),
+                size: self.body.len() as i64,
+                annotations: HashMap::new(),
+            }),
+            ..Default::default()
+        }
+    }
 }
 
 /// Reads at most `max` bytes of `body`; `None` past that.
@@ -146,17 +101,16 @@ async fn read_limited(mut body: Incoming, max: u64) -> Result<Option<Bytes>> {
 
 /// The manifest's media type: its own `mediaType`, else the request's
 /// Content-Type; the two must agree, and it must be a manifest or index.
-fn manifest_media_type(doc: &Value, content_type: Option<String>) -> Result<String> {
-    let declared_type = doc["mediaType"].as_str().filter(|t| !t.is_empty());
-    let media_type = match (declared_type, &content_type) {
-        (Some(d), Some(c)) if d != c => {
+fn manifest_media_type(doc: &Manifest, content_type: Option<String>) -> Result<String> {
+    let media_type = match (&doc.media_type, content_type) {
+        (Some(d), Some(c)) if *d != c => {
             return Err(Error::new(
                 Code::ManifestInvalid,
                 format!("Content-Type {c} but the manifest says mediaType {d}"),
             ))
         }
-        (Some(d), _) => d.to_string(),
-        (None, Some(c)) => c.clone(),
+        (Some(d), _) => d.clone(),
+        (None, Some(c)) => c,
         (None, None) => {
             return Err(Error::new(
                 Code::ManifestInvalid,
@@ -170,13 +124,20 @@ fn manifest_media_type(doc: &Value, content_type: Option<String>) -> Result<Stri
             format!("unsupported manifest media type {media_type}"),
         ));
     }
+    // An index's shape under a manifest's type, or the reverse.
+    if media_type::is_index(&media_type) != doc.is_index() {
+        return Err(Error::new(
+            Code::ManifestInvalid,
+            format!("the document's shape does not match its media type {media_type}"),
+        ));
+    }
     Ok(media_type)
 }
 
 /// The body's digest; a PUT by digest must name the body's own.
-fn manifest_digest(reference: &Reference, body: &[u8]) -> Result<Digest> {
+fn manifest_digest(reference: &ManifestRef, body: &[u8]) -> Result<Digest> {
     match reference {
-        Reference::Digest(d) => {
+        ManifestRef::Digest(d) => {
             let got = Digest::of(d.algorithm(), body);
             if &got != d {
                 return Err(Error::new(
@@ -186,51 +147,51 @@ fn manifest_digest(reference: &Reference, body: &[u8]) -> Result<Digest> {
             }
             Ok(got)
         }
-        Reference::Tag(_) => Ok(Digest::of("sha256", body)),
+        ManifestRef::Tag(_) => Ok(Digest::sha256(body)),
     }
 }
 
 impl Registry {
     pub(super) async fn put_manifest(
         self: &Arc<Self>,
-        name: &str,
-        r: &str,
+        name: &Repository,
+        reference: &ManifestRef,
         req: Request<Incoming>,
     ) -> Result<Response<Body>> {
-        let reference = Reference::parse(r)?;
         let host = self.push_host(&req)?;
         let (body, content_type) = self.read_manifest(req).await?;
-        let doc: Value = serde_json::from_slice(&body)
-            .map_err(|e| Error::new(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
-        let media_type = manifest_media_type(&doc, content_type)?;
-        let digest = manifest_digest(&reference, &body)?;
-        let parsed = parse(&doc, &media_type)?;
-        self.check_children(&parsed).await?;
-        // The manifest, under a lease until its record holds it.
-        let lease = self.c.create_lease(self.ns(), MANIFEST_LEASE).await?;
-        let stored = self
-            .store_manifest(name, &reference, &host, &body, &digest, &parsed, &lease)
-            .await;
-        let mut release = vec![lease];
-        let record = match stored {
-            Ok(record) => record,
-            Err(e) => {
-                super::session::release(&self.c, self.ns(), release).await;
-                return Err(e);
-            }
+        let doc =
+            Manifest::parse(&body).map_err(|e| Error::new(Code::ManifestInvalid, e.to_string()))?;
+        let push = Push {
+            name: name.clone(),
+            reference: reference.clone(),
+            host,
+            media_type: manifest_media_type(&doc, content_type)?,
+            digest: manifest_digest(reference, &body)?,
+            body,
+            doc,
         };
-        let children: Vec<String> = parsed.children.iter().map(|c| c.digest.clone()).collect();
-        release.extend(self.held.take(&children));
-        super::session::release(&self.c, self.ns(), release).await;
-        if parsed.image && matches!(reference, Reference::Tag(_)) {
+        self.check_children(&push.doc).await?;
+        // The manifest, under a lease until its record holds it.
+        let lease = self.c.lease(self.ns(), MANIFEST_LEASE).await?;
+        let record = self.store_manifest(&push, lease.id()).await?;
+        lease.release().await;
+        // Its children's upload leases: the record keeps them now.
+        for l in self
+            .held
+            .take(push.doc.children().map(|c| c.digest.as_str()))
+        {
+            l.release().await;
+        }
+        if push.replicated() {
             self.replicate_pushed(&record).await?;
         }
         let mut headers = vec![
-            ("location", format!("/v2/{name}/manifests/{digest}")),
-            ("docker-content-digest", digest.to_string()),
+            ("location", format!("/v2/{name}/manifests/{}", push.digest)),
+            ("docker-content-digest", push.digest.to_string()),
         ];
-        if let Some(s) = &parsed.subject {
-            headers.push(("oci-subject", s.clone()));
+        if let Some(s) = &push.doc.subject {
+            headers.push(("oci-subject", s.digest.to_string()));
         }
         Ok(answer(StatusCode::CREATED, &headers))
     }
@@ -268,14 +229,14 @@ impl Registry {
         Ok((body, content_type))
     }
 
-    /// Every child the manifest needs must have been pushed first.
-    async fn check_children(&self, parsed: &Parsed) -> Result<()> {
-        for c in parsed.children.iter().filter(|c| c.required) {
-            let d = Digest::parse(&c.digest)?;
-            if self.blob_size(&d).await?.is_none() {
+    /// Every child the manifest needs must have been pushed first (a
+    /// non-distributable layer need not: its bytes come from its URLs).
+    async fn check_children(&self, doc: &Manifest) -> Result<()> {
+        for c in doc.children().filter(|c| !c.external) {
+            if self.blob_size(&c.digest).await?.is_none() {
                 return Err(Error::new(
                     Code::ManifestBlobUnknown,
-                    format!("the manifest names {d}, which was not pushed"),
+                    format!("the manifest names {}, which was not pushed", c.digest),
                 ));
             }
         }
@@ -298,87 +259,51 @@ impl Registry {
             })
     }
 
-    /// Writes the manifest blob (with its GC labels) and its record.
-    #[allow(clippy::too_many_arguments)]
-    async fn store_manifest(
-        &self,
-        name: &str,
-        reference: &Reference,
-        host: &str,
-        body: &Bytes,
-        digest: &Digest,
-        parsed: &Parsed,
-        lease: &str,
-    ) -> Result<Image> {
-        let mut labels: HashMap<String, String> = parsed
-            .children
-            .iter()
-            .map(|c| (c.gc_key.clone(), c.digest.clone()))
-            .collect();
-        labels.insert(REGISTRY_MEDIA_TYPE.into(), parsed.media_type.clone());
-        let size = body.len() as i64;
+    /// Writes the manifest blob (with its GC labels) under `lease`, then
+    /// its record.
+    async fn store_manifest(&self, p: &Push, lease: &str) -> Result<Image> {
+        let mut labels = p.doc.gc_labels();
+        labels.insert(REGISTRY_MEDIA_TYPE.into(), p.media_type.clone());
+        let size = p.body.len() as i64;
         match self
             .c
-            .open_ingest(self.ns(), Some(lease), Some(digest.as_str()), size)
+            .open_ingest(self.ns(), Some(lease), Some(p.digest.as_str()), size)
             .await?
         {
             IngestStart::Present => {
                 self.c
-                    .update_content_labels(self.ns(), digest.as_str(), &labels)
+                    .update_content_labels(self.ns(), p.digest.as_str(), &labels)
                     .await?;
             }
             IngestStart::Open(mut i) => {
                 if !i.is_shared() {
-                    i.write(body.to_vec()).await?;
+                    i.write(p.body.to_vec()).await?;
                 }
-                i.commit(digest.as_str(), &labels)
+                i.commit(p.digest.as_str(), &labels)
                     .await
                     .map_err(|e| match e.code() {
                         Some(tonic::Code::FailedPrecondition) => Error::new(
                             Code::DigestInvalid,
-                            super::upload::digest_refused(digest, &e),
+                            super::upload::digest_refused(&p.digest, &e),
                         ),
                         _ => Error::containerd(e),
                     })?;
             }
         }
-        self.tombstones.lift(digest.as_str());
-        let record_name = match reference {
-            Reference::Tag(t) => format!("{host}/{name}:{t}"),
-            Reference::Digest(d) => format!("{host}/{name}@{d}"),
-        };
-        let mut record_labels =
-            HashMap::from([(REGISTRY_REPOSITORY.to_string(), name.to_string())]);
-        if let Some(s) = &parsed.subject {
-            record_labels.insert(REGISTRY_SUBJECT.into(), s.clone());
-        }
-        if !(parsed.image && matches!(reference, Reference::Tag(_))) {
-            record_labels.insert(REPLICATE.into(), REPLICATE_NO.into());
-        }
-        let image = Image {
-            name: record_name,
-            labels: record_labels,
-            target: Some(Descriptor {
-                media_type: parsed.media_type.clone(),
-                digest: digest.to_string(),
-                size,
-                annotations: HashMap::new(),
-            }),
-            ..Default::default()
-        };
-        Ok(self.c.put_image(self.ns(), image).await?)
+        self.tombstones.lift(p.digest.as_str());
+        Ok(self.c.put_image(self.ns(), p.record()).await?)
     }
 
     /// The descriptor `reference` names in `name`, from its records.
     async fn resolve(
         &self,
-        name: &str,
-        reference: &Reference,
+        name: &Repository,
+        reference: &ManifestRef,
         host: &str,
     ) -> Result<Option<Descriptor>> {
         Ok(match reference {
-            Reference::Tag(t) => self.tag_record(name, t, host).await?.and_then(|i| i.target),
-            Reference::Digest(d) => self
+            ManifestRef::Tag(t) => self.tag_record(name, t, host).await?.and_then(|i| i.target),
+            ManifestRef::Digest(d) => self
                 .records(name, &[])
                 .await?
                 .into_iter()
@@ -389,15 +314,19 @@ impl Registry {
 
     pub(super) async fn get_manifest(
         &self,
-        name: &str,
-        r: &str,
+        name: &Repository,
+        reference: &ManifestRef,
         req: &Request<Incoming>,
         head: bool,
     ) -> Result<Response<Body>> {
-        let reference = Reference::parse(r)?;
-        let unknown = || Error::new(Code::ManifestUnknown, format!("{name}: no manifest {r}"));
+        let unknown = || {
+            Error::new(
+                Code::ManifestUnknown,
+                format!("{name}: no manifest {reference}"),
+            )
+        };
         let desc = self
-            .resolve(name, &reference, &self.host(req))
+            .resolve(name, reference, &self.host(req))
             .await?
             .ok_or_else(unknown)?;
         let headers = [
@@ -422,21 +351,24 @@ impl Registry {
     /// DELETE by tag drops that tag; by digest, every record of the
     /// repository naming that manifest. containerd's GC then collects what
     /// no record holds; replicas follow `delete_policy`.
-    pub(super) async fn delete_manifest(&self, name: &str, r: &str) -> Result<Response<Body>> {
-        let reference = Reference::parse(r)?;
+    pub(super) async fn delete_manifest(
+        &self,
+        name: &Repository,
+        reference: &ManifestRef,
+    ) -> Result<Response<Body>> {
         let doomed: Vec<Image> = self
             .records(name, &[])
             .await?
             .into_iter()
-            .filter(|i| match &reference {
-                Reference::Tag(t) => super::records::tag_of(&i.name, name) == Some(t.as_str()),
-                Reference::Digest(d) => i.target.as_ref().is_some_and(|x| x.digest == d.as_str()),
+            .filter(|i| match reference {
+                ManifestRef::Tag(t) => super::records::tag_of(&i.name, name) == Some(t.as_str()),
+                ManifestRef::Digest(d) => i.target.as_ref().is_some_and(|x| x.digest == d.as_str()),
             })
             .collect();
         if doomed.is_empty() {
             return Err(Error::new(
                 Code::ManifestUnknown,
-                format!("{name}: no manifest {r}"),
+                format!("{name}: no manifest {reference}"),
             ));
         }
         for i in doomed {
@@ -449,52 +381,5 @@ impl Registry {
             }
         }
         Ok(answer(StatusCode::ACCEPTED, &[]))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn d(c: char) -> String {
-        format!("sha256:{}", c.to_string().repeat(64))
-    }
-
-    #[test]
-    fn images_and_artefacts() {
-        let image = serde_json::json!({
-            "schemaVersion": 2,
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": d('a'), "size": 1},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": d('b'), "size": 1}]
-        });
-        let p = parse(&image, MediaType::ImageManifest.as_ref()).unwrap();
-        assert!(p.image);
-        assert_eq!(p.children.len(), 2);
-        assert_eq!(p.children[0].gc_key, "containerd.io/gc.ref.content.config");
-        assert_eq!(p.children[1].gc_key, "containerd.io/gc.ref.content.l.0");
-        let chart = serde_json::json!({
-            "schemaVersion": 2,
-            "config": {"mediaType": "application/vnd.cncf.helm.config.v1+json", "digest": d('a'), "size": 1},
-            "layers": [{"mediaType": "application/vnd.cncf.helm.chart.content.v1.tar+gzip", "digest": d('b'), "size": 1}]
-        });
-        assert!(
-            !parse(&chart, MediaType::ImageManifest.as_ref())
-                .unwrap()
-                .image
-        );
-        let mut referrer = image.clone();
-        referrer["subject"] = serde_json::json!({"mediaType": "x", "digest": d('c'), "size": 1});
-        let p = parse(&referrer, MediaType::ImageManifest.as_ref()).unwrap();
-        assert!(!p.image);
-        assert_eq!(p.subject, Some(d('c')));
-        let index = serde_json::json!({
-            "schemaVersion": 2,
-            "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": d('e'), "size": 1}]
-        });
-        let p = parse(&index, MediaType::ImageIndex.as_ref()).unwrap();
-        assert!(p.image);
-        assert_eq!(p.children[0].gc_key, "containerd.io/gc.ref.content.m.0");
-        let bad = serde_json::json!({"schemaVersion": 2, "config": {"digest": "sha256:zz"}});
-        assert!(parse(&bad, MediaType::ImageManifest.as_ref()).is_err());
     }
 }

@@ -8,7 +8,7 @@
 //! ([`Replicator::on_write`], the hold an intercepted `Images.Create` gets)
 //! has made it usable in every target and CRI resolves it.
 //!
-//! One job per file: [`names`] (grammar and routes), [`errors`] (the spec's
+//! One job per file: [`routes`] (what a path names), [`errors`] (the spec's
 //! error bodies), [`session`] (upload sessions, leases), [`upload`] (blob
 //! uploads and mounts), [`blobs`] (blob reads), [`manifests`], [`records`]
 //! (image records of a repository), [`tags`], [`referrers`].
@@ -19,10 +19,10 @@
 mod blobs;
 pub mod errors;
 mod manifests;
-pub mod names;
 pub mod observe;
 mod records;
 mod referrers;
+pub mod routes;
 pub mod session;
 mod tags;
 mod upload;
@@ -45,8 +45,9 @@ use crate::config;
 use crate::containerd::Containerd;
 use crate::replicate::Replicator;
 use errors::{Code, Error};
-use names::Route;
 use observe::RegistryObserver;
+use routes::Route;
+use session::Session;
 
 /// Response bodies: small JSON, or a blob streamed out of containerd.
 pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
@@ -204,15 +205,15 @@ impl Registry {
                 Method::GET | Method::HEAD => Ok(json(StatusCode::OK, "{}".into())),
                 _ => Err(unsupported(&m)),
             },
-            Route::Blob(name, d) => match m {
+            Route::Blob(_, d) => match m {
                 Method::GET | Method::HEAD => {
                     let range = req
                         .headers()
                         .get(header::RANGE)
                         .and_then(|v| v.to_str().ok());
-                    self.get_blob(&name, &d, range, m == Method::HEAD).await
+                    self.get_blob(&d, range, m == Method::HEAD).await
                 }
-                Method::DELETE => self.delete_blob(&name, &d).await,
+                Method::DELETE => self.delete_blob(&d).await,
                 _ => Err(unsupported(&m)),
             },
             Route::Uploads(name) => match m {
@@ -220,10 +221,10 @@ impl Registry {
                 _ => Err(unsupported(&m)),
             },
             Route::Upload(name, id) => match m {
-                Method::PATCH => self.patch_upload(&name, &id, req).await,
-                Method::PUT => self.put_upload(&name, &id, req).await,
-                Method::GET => self.upload_status(&name, &id).await,
-                Method::DELETE => self.cancel_upload(&name, &id).await,
+                Method::PATCH => self.patch_upload(&name, &id.0, req).await,
+                Method::PUT => self.put_upload(&name, &id.0, req).await,
+                Method::GET => self.upload_status(&name, &id.0).await,
+                Method::DELETE => self.cancel_upload(&name, &id.0).await,
                 _ => Err(unsupported(&m)),
             },
             Route::Manifest(name, r) => match m {
@@ -281,17 +282,24 @@ impl Registry {
         })
     }
 
-    /// Drops idle upload sessions and releases leases past their time.
-    async fn sweep(&self) {
-        for s in self.sessions.expired(self.s.upload_expiry) {
+    /// Drops idle upload sessions (aborting their ingests) and releases
+    /// leases past their time; with `all`, every one (at shutdown).
+    async fn sweep(&self, all: bool) {
+        let expiry = if all {
+            Duration::ZERO
+        } else {
+            self.s.upload_expiry
+        };
+        for s in self.sessions.expired(expiry) {
             tracing::debug!(repo = %s.repo, "registry: upload session expired");
-            // Dropping the ingest aborts it.
-            let lease = s.lease.clone();
-            drop(s);
-            session::release(&self.c, self.ns(), vec![lease]).await;
+            let Session { state, lease, .. } = s;
+            drop(state);
+            lease.release().await;
         }
-        let expired = self.held.expired();
-        session::release(&self.c, self.ns(), expired).await;
+        let now = (!all).then(std::time::Instant::now);
+        for l in self.held.expired(now) {
+            l.release().await;
+        }
     }
 }
 
@@ -326,20 +334,6 @@ pub fn own_host(h: &str, extra: &[String]) -> bool {
 
 fn valid_port(p: &str) -> bool {
     !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
-}
-
-impl Route {
-    /// A bounded label for metrics.
-    fn kind(&self) -> &'static str {
-        match self {
-            Route::Ping => "ping",
-            Route::Blob(..) => "blob",
-            Route::Uploads(..) | Route::Upload(..) => "upload",
-            Route::Manifest(..) => "manifest",
-            Route::Tags(..) => "tags",
-            Route::Referrers(..) => "referrers",
-        }
-    }
 }
 
 fn unsupported(m: &Method) -> Error {
@@ -389,7 +383,7 @@ pub async fn serve(listener: TcpListener, reg: Arc<Registry>, stop: Cancellation
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(every) => reg.sweep().await,
+                    _ = tokio::time::sleep(every) => reg.sweep(false).await,
                 }
             }
         })
@@ -435,17 +429,7 @@ pub async fn serve(listener: TcpListener, reg: Arc<Registry>, stop: Cancellation
     let _ = tokio::time::timeout(Duration::from_secs(10), conns.wait()).await;
     janitor.abort();
     // Release what is still open; containerd would expire it anyway.
-    reg.sweep_all().await;
-}
-
-impl Registry {
-    async fn sweep_all(&self) {
-        for s in self.sessions.expired(Duration::ZERO) {
-            let lease = s.lease.clone();
-            drop(s);
-            session::release(&self.c, self.ns(), vec![lease]).await;
-        }
-    }
+    reg.sweep(true).await;
 }
 
 #[cfg(test)]

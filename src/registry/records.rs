@@ -5,9 +5,9 @@
 
 use crate::containerd::Image;
 use crate::labels::REGISTRY_REPOSITORY;
+use crate::oci::name::valid_tag;
 
 use super::errors::Result;
-use super::names::valid_tag;
 use super::Registry;
 
 /// containerd's filter for records labelled `key == value` (quoted: the

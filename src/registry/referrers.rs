@@ -9,9 +9,9 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::Value;
 
 use crate::labels::REGISTRY_SUBJECT;
+use crate::oci::{Digest, Manifest, Repository};
 
 use super::errors::Result;
-use super::names::Digest;
 use super::records::label_filter;
 use super::upload::query_param;
 use super::{json, Body, Registry};
@@ -21,11 +21,10 @@ const INDEX: &str = "application/vnd.oci.image.index.v1+json";
 impl Registry {
     pub(super) async fn referrers(
         &self,
-        name: &str,
-        d: &str,
+        name: &Repository,
+        d: &Digest,
         query: Option<&str>,
     ) -> Result<Response<Body>> {
-        let d = Digest::parse(d)?;
         let filter = query_param(query, "artifactType").filter(|t| !t.is_empty());
         let records = self
             .records(name, &[label_filter(REGISTRY_SUBJECT, d.as_str())])
@@ -45,14 +44,10 @@ impl Registry {
             else {
                 continue; // deleted meanwhile
             };
-            let Ok(doc) = serde_json::from_slice::<Value>(&body) else {
+            let Ok(doc) = Manifest::parse(&body) else {
                 continue;
             };
-            let artifact_type = doc["artifactType"]
-                .as_str()
-                .or_else(|| doc["config"]["mediaType"].as_str())
-                .unwrap_or("")
-                .to_string();
+            let artifact_type = doc.listed_artifact_type().unwrap_or("").to_string();
             if filter.as_deref().is_some_and(|f| f != artifact_type) {
                 continue;
             }
@@ -64,8 +59,8 @@ impl Registry {
             if !artifact_type.is_empty() {
                 desc["artifactType"] = Value::String(artifact_type);
             }
-            if let Some(a) = doc.get("annotations").filter(|a| a.is_object()) {
-                desc["annotations"] = a.clone();
+            if let Some(a) = &doc.annotations {
+                desc["annotations"] = serde_json::json!(a);
             }
             manifests.push(desc);
         }

@@ -1,8 +1,9 @@
 //! Upload sessions and the leases that keep uploaded blobs alive.
 //!
 //! A session is opened by `POST /blobs/uploads/`: it takes a lease in the
-//! registry's namespace (expiring with the session, so a crashed imgbridge
-//! leaks nothing) and holds containerd's ingest open across the requests
+//! registry's namespace (expiring with the session; released at once by
+//! the next imgbridge if this one is killed, see
+//! [`crate::containerd::orphans`]) and holds containerd's ingest open across the requests
 //! that feed it. When the blob is committed the lease moves to [`Held`]: it
 //! keeps the blob until a manifest names it (the record then keeps it) or
 //! the expiry passes. Sessions are bounded ([`Sessions::open`]) and the
@@ -13,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::containerd::content::Ingest;
-use crate::containerd::Containerd;
+use crate::containerd::leases::Lease;
+use crate::lock::lock;
+use crate::oci::Repository;
 
 /// Where an upload stands.
 pub enum State {
@@ -24,12 +27,13 @@ pub enum State {
     Writing { ingest: Box<Ingest>, offset: u64 },
 }
 
-/// One upload.
+/// One upload. Dropping it aborts its ingest, then releases its lease
+/// (fields drop in this order).
 pub struct Session {
-    pub repo: String,
-    /// The lease its ingest and its blob are held under.
-    pub lease: String,
+    pub repo: Repository,
     pub state: State,
+    /// The lease its ingest and its blob are held under.
+    pub lease: Lease,
 }
 
 impl Session {
@@ -55,16 +59,13 @@ pub struct Sessions {
 
 pub type Slot = Arc<tokio::sync::Mutex<Option<Session>>>;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl Sessions {
-    /// Registers `session` under a new id, unless `max` are open.
-    pub fn open(&self, session: Session, max: usize) -> Result<String, Session> {
+    /// Registers `session` under a new id, unless `max` are open (it is
+    /// dropped then: its lease released).
+    pub fn open(&self, session: Session, max: usize) -> Option<String> {
         let mut open = lock(&self.open);
         if open.len() >= max {
-            return Err(session);
+            return None;
         }
         let id = format!(
             "{}{}",
@@ -78,7 +79,7 @@ impl Sessions {
                 touched: Instant::now(),
             },
         );
-        Ok(id)
+        Some(id)
     }
 
     /// The session `id`, marked as used now.
@@ -121,11 +122,11 @@ impl Sessions {
 /// Leases of committed blobs no manifest names yet, by digest.
 #[derive(Default)]
 pub struct Held {
-    leases: Mutex<HashMap<String, Vec<(String, Instant)>>>,
+    leases: Mutex<HashMap<String, Vec<(Lease, Instant)>>>,
 }
 
 impl Held {
-    pub fn add(&self, digest: &str, lease: String, until: Instant) {
+    pub fn add(&self, digest: &str, lease: Lease, until: Instant) {
         lock(&self.leases)
             .entry(digest.to_string())
             .or_default()
@@ -133,46 +134,32 @@ impl Held {
     }
 
     /// The leases of `digests`, now that a record names them.
-    pub fn take(&self, digests: &[String]) -> Vec<String> {
+    pub fn take<'a>(&self, digests: impl IntoIterator<Item = &'a str>) -> Vec<Lease> {
         let mut leases = lock(&self.leases);
         digests
-            .iter()
+            .into_iter()
             .filter_map(|d| leases.remove(d))
             .flatten()
             .map(|(l, _)| l)
             .collect()
     }
 
-    /// The leases past their time.
-    pub fn expired(&self) -> Vec<String> {
-        let now = Instant::now();
+    /// The leases past their time (`None`: every one).
+    pub fn expired(&self, now: Option<Instant>) -> Vec<Lease> {
         let mut out = Vec::new();
-        lock(&self.leases).retain(|_, v| {
-            v.retain(|(l, until)| {
-                if *until <= now {
-                    out.push(l.clone());
-                    false
-                } else {
-                    true
-                }
-            });
-            !v.is_empty()
-        });
+        let mut leases = lock(&self.leases);
+        for v in leases.values_mut() {
+            let (gone, kept) = std::mem::take(v)
+                .into_iter()
+                .partition(|(_, until)| now.is_none_or(|now| *until <= now));
+            *v = kept;
+            out.extend(gone.into_iter().map(|(l, _): (Lease, Instant)| l));
+        }
+        leases.retain(|_, v| !v.is_empty());
         out
     }
 
     pub fn count(&self) -> usize {
         lock(&self.leases).values().map(Vec::len).sum()
-    }
-}
-
-/// Releases `leases` in `ns` (best effort: containerd expires them anyway).
-pub async fn release(c: &Containerd, ns: &str, leases: Vec<String>) {
-    for l in leases {
-        if let Err(e) = c.delete_lease(ns, &l).await {
-            if !e.is(tonic::Code::NotFound) {
-                tracing::debug!(lease = %l, error = %e, "registry: releasing a lease failed; it expires on its own");
-            }
-        }
     }
 }

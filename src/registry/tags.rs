@@ -5,6 +5,8 @@ use std::collections::BTreeSet;
 
 use http::{Response, StatusCode};
 
+use crate::oci::Repository;
+
 use super::errors::{Code, Error, Result};
 use super::records::tag_of;
 use super::upload::query_param;
@@ -13,7 +15,7 @@ use super::{json, Body, Registry};
 impl Registry {
     pub(super) async fn list_tags(
         &self,
-        name: &str,
+        name: &Repository,
         query: Option<&str>,
     ) -> Result<Response<Body>> {
         let records = self.records(name, &[]).await?;
@@ -45,7 +47,7 @@ impl Registry {
             .copied()
             .take(n.unwrap_or(usize::MAX))
             .collect();
-        let body = serde_json::json!({ "name": name, "tags": page }).to_string();
+        let body = serde_json::json!({ "name": name.as_str(), "tags": page }).to_string();
         let mut r = json(StatusCode::OK, body);
         if let (Some(n), Some(l)) = (n, page.last()) {
             if after.len() > page.len() {

@@ -14,9 +14,10 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::containerd::content::IngestStart;
+use crate::containerd::leases::Lease;
+use crate::oci::{Digest, Repository};
 
 use super::errors::{Code, Error, Result};
-use super::names::Digest;
 use super::session::{Session, State};
 use super::{answer, Body, Registry};
 
@@ -84,10 +85,10 @@ fn check_range(req: &Request<Incoming>, offset: u64, name: &str, id: &str) -> Re
 impl Registry {
     /// A lease for an upload (or a mounted blob): it outlives the session by
     /// the time an uploaded blob waits for its manifest.
-    async fn upload_lease(&self) -> Result<String> {
+    pub(super) async fn upload_lease(&self) -> Result<Lease> {
         Ok(self
             .c
-            .create_lease(
+            .lease(
                 self.ns(),
                 self.s.upload_expiry * 2 + std::time::Duration::from_secs(60),
             )
@@ -95,7 +96,7 @@ impl Registry {
     }
 
     /// Keeps `digest` under `lease` until a manifest names it.
-    fn hold(&self, digest: &str, lease: String) {
+    pub(super) fn hold(&self, digest: &str, lease: Lease) {
         self.tombstones.lift(digest);
         self.held
             .add(digest, lease, Instant::now() + self.s.upload_expiry);
@@ -103,7 +104,7 @@ impl Registry {
 
     pub(super) async fn start_upload(
         &self,
-        name: &str,
+        name: &Repository,
         req: Request<Incoming>,
     ) -> Result<Response<Body>> {
         let q = req.uri().query().map(str::to_owned);
@@ -118,20 +119,18 @@ impl Registry {
         }
         let lease = self.upload_lease().await?;
         let session = Session {
-            repo: name.to_string(),
-            lease,
+            repo: name.clone(),
             state: State::Empty,
+            lease,
         };
         if let Some(d) = query_param(q, "digest") {
             // Monolithic upload in the POST itself.
             let d = Digest::parse(&d)?;
-            let mut s = session;
-            return self.finish(name, &mut s, req.into_body(), &d).await;
+            return self.finish(name, session, req.into_body(), &d).await;
         }
         let id = match self.sessions.open(session, self.s.max_uploads) {
-            Ok(id) => id,
-            Err(s) => {
-                super::session::release(&self.c, self.ns(), vec![s.lease]).await;
+            Some(id) => id,
+            None => {
                 return Err(Error::new(
                     Code::TooManyRequests,
                     format!(
@@ -153,13 +152,17 @@ impl Registry {
 
     /// A blob containerd has (here or, linked, in another namespace) is
     /// mounted without moving bytes: leased until a manifest names it.
-    async fn mount(&self, name: &str, d: &Digest) -> Result<Option<Response<Body>>> {
+    async fn mount(&self, name: &Repository, d: &Digest) -> Result<Option<Response<Body>>> {
         let Some(_) = self.blob_size(d).await? else {
             return Ok(None);
         };
         let lease = self.upload_lease().await?;
-        if let Err(e) = self.c.lease_content(self.ns(), &lease, d.as_str()).await {
-            super::session::release(&self.c, self.ns(), vec![lease]).await;
+        if let Err(e) = self
+            .c
+            .lease_content(self.ns(), lease.id(), d.as_str())
+            .await
+        {
+            lease.release().await;
             return Err(e.into());
         }
         self.hold(d.as_str(), lease);
@@ -175,7 +178,7 @@ impl Registry {
     /// The session `id` of `name`, locked; `Err` if unknown.
     async fn session(
         &self,
-        name: &str,
+        name: &Repository,
         id: &str,
     ) -> Result<tokio::sync::OwnedMutexGuard<Option<Session>>> {
         let unknown = || {
@@ -187,7 +190,7 @@ impl Registry {
         let slot = self.sessions.get(id).ok_or_else(unknown)?;
         let g = slot.lock_owned().await;
         match &*g {
-            Some(s) if s.repo == name => Ok(g),
+            Some(s) if s.repo == *name => Ok(g),
             _ => Err(unknown()),
         }
     }
@@ -196,16 +199,15 @@ impl Registry {
     /// and its lease released.
     async fn fail(&self, id: &str, s: Option<Session>) {
         self.sessions.remove(id);
-        if let Some(s) = s {
-            let lease = s.lease.clone();
-            drop(s);
-            super::session::release(&self.c, self.ns(), vec![lease]).await;
+        if let Some(Session { state, lease, .. }) = s {
+            drop(state);
+            lease.release().await;
         }
     }
 
     pub(super) async fn patch_upload(
         &self,
-        name: &str,
+        name: &Repository,
         id: &str,
         req: Request<Incoming>,
     ) -> Result<Response<Body>> {
@@ -230,7 +232,7 @@ impl Registry {
 
     pub(super) async fn put_upload(
         &self,
-        name: &str,
+        name: &Repository,
         id: &str,
         req: Request<Incoming>,
     ) -> Result<Response<Body>> {
@@ -242,23 +244,23 @@ impl Registry {
         // Out of order: the session stays as it was (the client recovers
         // with a GET of its status).
         check_range(&req, offset, name, id)?;
-        let mut s = g.take().expect("checked by session()");
+        let s = g.take().expect("checked by session()");
         self.sessions.remove(id);
         drop(g);
-        self.finish(name, &mut s, req.into_body(), &d).await
+        self.finish(name, s, req.into_body(), &d).await
     }
 
     /// Appends `body` and commits as `d`; the session is over either way.
     async fn finish(
         &self,
-        name: &str,
-        s: &mut Session,
+        name: &Repository,
+        mut s: Session,
         body: Incoming,
         d: &Digest,
     ) -> Result<Response<Body>> {
-        let r = self.feed_and_commit(s, body, d).await;
-        let lease = std::mem::take(&mut s.lease);
-        s.state = State::Empty; // aborts an ingest that did not commit
+        let r = self.feed_and_commit(&mut s, body, d).await;
+        let Session { state, lease, .. } = s;
+        drop(state); // aborts an ingest that did not commit
         match r {
             Ok(()) => {
                 self.hold(d.as_str(), lease);
@@ -271,7 +273,7 @@ impl Registry {
                 ))
             }
             Err(e) => {
-                super::session::release(&self.c, self.ns(), vec![lease]).await;
+                lease.release().await;
                 Err(e)
             }
         }
@@ -286,7 +288,7 @@ impl Registry {
             State::Empty => {
                 match self
                     .c
-                    .open_ingest(self.ns(), Some(&s.lease), Some(d.as_str()), 0)
+                    .open_ingest(self.ns(), Some(s.lease.id()), Some(d.as_str()), 0)
                     .await?
                 {
                     IngestStart::Present => return Ok(()),
@@ -348,7 +350,7 @@ impl Registry {
         if let State::Empty = s.state {
             match self
                 .c
-                .open_ingest(self.ns(), Some(&s.lease), None, 0)
+                .open_ingest(self.ns(), Some(s.lease.id()), None, 0)
                 .await?
             {
                 IngestStart::Open(ingest) => {
@@ -377,7 +379,11 @@ impl Registry {
         Ok(())
     }
 
-    pub(super) async fn upload_status(&self, name: &str, id: &str) -> Result<Response<Body>> {
+    pub(super) async fn upload_status(
+        &self,
+        name: &Repository,
+        id: &str,
+    ) -> Result<Response<Body>> {
         let g = self.session(name, id).await?;
         let offset = g.as_ref().map_or(0, Session::offset);
         Ok(answer(
@@ -390,7 +396,11 @@ impl Registry {
         ))
     }
 
-    pub(super) async fn cancel_upload(&self, name: &str, id: &str) -> Result<Response<Body>> {
+    pub(super) async fn cancel_upload(
+        &self,
+        name: &Repository,
+        id: &str,
+    ) -> Result<Response<Body>> {
         let mut g = self.session(name, id).await?;
         let s = g.take();
         drop(g);

@@ -212,7 +212,10 @@ mod tests {
     /// every digest the write named, not only the last one seen.
     #[tokio::test]
     async fn already_exists_links_a_digest_named_before_the_last_message() {
-        let (a, b) = ("sha256:aaaa", "sha256:bbbb");
+        let (a, b) = (
+            "sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "sha256:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",
+        );
         let settings = super::super::Settings::from(&crate::config::Replication::default());
         let r = Replicator::new(
             crate::containerd::Containerd::new("/nonexistent/imgbridge-test.sock"),
@@ -226,11 +229,11 @@ mod tests {
                 root: "sha256:cccc".into(),
                 need: super::super::tree::Need::Node,
             },
-            child: super::super::tree::Child {
-                media_type: "application/vnd.oci.image.layer.v1.tar".into(),
-                digest: a.into(),
-                size: 1,
-            },
+            child: super::super::tree::Child::new(
+                "application/vnd.oci.image.layer.v1.tar",
+                crate::oci::Digest::parse(a).unwrap(),
+                1,
+            ),
         });
         let mut w = WriteWatch::new(r, "buildkit".into());
         for (action, expected) in [(WriteAction::Stat, a), (WriteAction::Commit, b)] {

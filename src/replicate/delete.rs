@@ -7,7 +7,7 @@ use super::{Error, Replicator};
 use crate::config::DeletePolicy;
 use crate::containerd::{self as ctrd, Image};
 use crate::labels::{pin_owner, PinOwner, CRI_NAMESPACE, PINNED, SOURCE};
-use crate::reference::Reference;
+use crate::oci::Reference;
 
 impl Replicator {
     /// Applies `delete_policy` to the replicas of `name` deleted in `source`.

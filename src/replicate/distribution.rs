@@ -12,7 +12,7 @@
 //! once would keep rewriting it.
 
 use crate::labels::DISTRIBUTION_SOURCE;
-use crate::reference::Reference;
+use crate::oci::Reference;
 
 /// `(containerd.io/distribution.source.<host>, <repository>)` for `image`;
 /// `None` for a name that is no reference.

@@ -274,7 +274,7 @@ pub struct Pending {
 
 impl Pending {
     pub fn add(&self, item: Item) {
-        let key = (item.source, item.child.digest.clone());
+        let key = (item.source, item.child.digest.to_string());
         let mut m = lock(&self.items);
         let e = m.entry(key).or_insert_with_key(|(source, digest)| {
             match item.owner.need {
@@ -531,7 +531,7 @@ impl Replicator {
         }
         let root = crate::containerd::Descriptor {
             media_type: job.child.media_type.clone(),
-            digest: job.child.digest.clone(),
+            digest: job.child.digest.to_string(),
             size: job.child.size,
             ..Default::default()
         };
@@ -671,6 +671,10 @@ fn report(r: &Replicator) {
 mod tests {
     use super::*;
 
+    const L1: &str = "sha256:1111111111111111111111111111111111111111111111111111111111111111";
+    const L2: &str = "sha256:2222222222222222222222222222222222222222222222222222222222222222";
+    const M_ARM64: &str = "sha256:3333333333333333333333333333333333333333333333333333333333333333";
+
     const LIMITS: Limits = Limits {
         warn_after: Duration::from_secs(60),
         give_up: Duration::from_secs(1800),
@@ -694,11 +698,11 @@ mod tests {
             source: "buildkit".into(),
             target: target.into(),
             owner: o.clone(),
-            child: Child {
-                media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
-                digest: digest.into(),
-                size: 1,
-            },
+            child: Child::new(
+                "application/vnd.oci.image.layer.v1.tar+gzip",
+                crate::oci::Digest::parse(digest).unwrap(),
+                1,
+            ),
         });
     }
 
@@ -722,16 +726,16 @@ mod tests {
     fn an_entry_goes_silently_with_the_last_image_naming_it() {
         let p = Pending::default();
         let (a, b) = (owner("a:1", 'a', Need::Node), owner("b:1", 'b', Need::Node));
-        add(&p, "sha256:l1", "k8s.io", &a);
-        add(&p, "sha256:l1", "k8s.io", &b);
-        add(&p, "sha256:l2", "k8s.io", &a);
+        add(&p, L1, "k8s.io", &a);
+        add(&p, L1, "k8s.io", &b);
+        add(&p, L2, "k8s.io", &a);
         assert_eq!(p.list().0.len(), 2);
-        assert_eq!(missed(&p, "sha256:l1", &[&a], LIMITS), Verdict::Waiting);
+        assert_eq!(missed(&p, L1, &[&a], LIMITS), Verdict::Waiting);
         assert_eq!(p.list().0[0].images, vec!["b:1".to_string()]);
-        assert_eq!(missed(&p, "sha256:l1", &[&b], OVERDUE), Verdict::Forgotten);
-        assert_eq!(missed(&p, "sha256:l2", &[&a], OVERDUE), Verdict::Forgotten);
+        assert_eq!(missed(&p, L1, &[&b], OVERDUE), Verdict::Forgotten);
+        assert_eq!(missed(&p, L2, &[&a], OVERDUE), Verdict::Forgotten);
         assert_eq!(p.count(), 0, "nothing outlives its images");
-        assert!(!p.awaits("buildkit", "sha256:l1"));
+        assert!(!p.awaits("buildkit", L1));
     }
 
     /// The same image pointing at a new tree that still names the blob is
@@ -740,9 +744,9 @@ mod tests {
     fn a_moved_record_that_still_names_the_blob_keeps_it() {
         let p = Pending::default();
         let (old, new) = (owner("a:1", 'a', Need::Node), owner("a:1", 'c', Need::Node));
-        add(&p, "sha256:l1", "k8s.io", &old);
-        add(&p, "sha256:l1", "k8s.io", &new);
-        assert_eq!(missed(&p, "sha256:l1", &[&old], LIMITS), Verdict::Waiting);
+        add(&p, L1, "k8s.io", &old);
+        add(&p, L1, "k8s.io", &new);
+        assert_eq!(missed(&p, L1, &[&old], LIMITS), Verdict::Waiting);
         assert_eq!(p.count(), 1);
     }
 
@@ -752,29 +756,29 @@ mod tests {
     fn other_platforms_are_counted_apart_and_never_warned() {
         let p = Pending::default();
         let foreign = owner("idx:1", 'a', Need::OtherPlatform);
-        add(&p, "sha256:m-arm64", "k8s.io", &foreign);
+        add(&p, M_ARM64, "k8s.io", &foreign);
         assert_eq!(p.list(), (vec![], 1));
         assert_eq!(
-            missed(&p, "sha256:m-arm64", &[], OVERDUE),
+            missed(&p, M_ARM64, &[], OVERDUE),
             Verdict::Overdue(Need::OtherPlatform)
         );
-        assert_eq!(missed(&p, "sha256:m-arm64", &[], OVERDUE), Verdict::Waiting);
+        assert_eq!(missed(&p, M_ARM64, &[], OVERDUE), Verdict::Waiting);
         let here = owner("arm64-only:1", 'b', Need::Node);
-        add(&p, "sha256:m-arm64", "k8s.io", &here);
+        add(&p, M_ARM64, "k8s.io", &here);
         let (listed, others) = p.list();
         assert_eq!((listed.len(), others), (1, 0));
         assert_eq!(listed[0].images, vec!["idx:1", "arm64-only:1"]);
         assert_eq!(
-            missed(&p, "sha256:m-arm64", &[], OVERDUE),
+            missed(&p, M_ARM64, &[], OVERDUE),
             Verdict::Overdue(Need::Node)
         );
-        assert_eq!(missed(&p, "sha256:m-arm64", &[], OVERDUE), Verdict::Waiting);
+        assert_eq!(missed(&p, M_ARM64, &[], OVERDUE), Verdict::Waiting);
         let give_up = Limits {
             warn_after: Duration::ZERO,
             give_up: Duration::ZERO,
         };
         assert_eq!(
-            missed(&p, "sha256:m-arm64", &[&here], give_up),
+            missed(&p, M_ARM64, &[&here], give_up),
             Verdict::GaveUp(Need::OtherPlatform)
         );
         assert_eq!(p.count(), 0);
@@ -785,13 +789,10 @@ mod tests {
     fn warns_once_when_overdue() {
         let p = Pending::default();
         let a = owner("a:1", 'a', Need::Node);
-        add(&p, "sha256:l1", "k8s.io", &a);
-        assert_eq!(missed(&p, "sha256:l1", &[], LIMITS), Verdict::Waiting);
-        assert_eq!(
-            missed(&p, "sha256:l1", &[], OVERDUE),
-            Verdict::Overdue(Need::Node)
-        );
-        assert_eq!(missed(&p, "sha256:l1", &[], OVERDUE), Verdict::Waiting);
+        add(&p, L1, "k8s.io", &a);
+        assert_eq!(missed(&p, L1, &[], LIMITS), Verdict::Waiting);
+        assert_eq!(missed(&p, L1, &[], OVERDUE), Verdict::Overdue(Need::Node));
+        assert_eq!(missed(&p, L1, &[], OVERDUE), Verdict::Waiting);
         assert_eq!(p.count(), 1);
     }
 
@@ -806,9 +807,9 @@ mod tests {
             owner("c:1", 'c', Need::Node),
         );
         for o in [&a, &b, &c] {
-            add(&p, "sha256:l1", "k8s.io", o);
+            add(&p, L1, "k8s.io", o);
         }
-        let j = job(&p, "sha256:l1");
+        let j = job(&p, L1);
         let key = |o: &Owner| ("buildkit".to_string(), o.image.clone());
         let known = HashMap::from([
             (key(&a), None),

@@ -17,7 +17,7 @@ use crate::containerd::Image;
 use crate::globs::Globs;
 use crate::labels::{PINNED, PINNED_VALUE, SOURCE};
 use crate::lock::lock;
-use crate::reference::Reference;
+use crate::oci::Reference;
 
 /// Why a name must not be replaced in a target.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -29,7 +29,7 @@ use crate::labels::{
     pin_owner, PinOwner, CRI_MANAGED, CRI_MANAGED_VALUE, CRI_NAMESPACE, CRI_PREFIX, EXPIRE, IMPORT,
     PINNED, PINNED_VALUE, REPLICATE, REPLICATE_NO, SOURCE,
 };
-use crate::reference::{Reference, ReferenceError};
+use crate::oci::{Reference, ReferenceError};
 
 /// The image a replication is of, its name parsed once for every target
 /// and phase.

@@ -14,7 +14,7 @@ use crate::backoff::Backoff;
 use crate::config::OnFailure;
 use crate::containerd::{self as ctrd, Descriptor};
 use crate::labels::CRI_NAMESPACE;
-use crate::reference::Reference;
+use crate::oci::Reference;
 
 /// What the client of a held write hears once its replication ended.
 #[derive(Debug)]

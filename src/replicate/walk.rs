@@ -23,6 +23,7 @@ use crate::containerd::content::{BlobRef, Linked};
 use crate::containerd::{self as ctrd, Descriptor};
 use crate::labels::{CRI_NAMESPACE, DISTRIBUTION_SOURCE, EXPIRE, GC_REF_CONTENT};
 use crate::lock::lock;
+use crate::oci::Digest;
 use containerd_client::services::v1::Info;
 
 /// Blobs linked or checked in parallel per image.
@@ -140,7 +141,7 @@ pub(super) fn visit(
         }
     }
     if let Some(n) = node {
-        v.config = n.config.as_ref().map(|c| c.digest.clone());
+        v.config = n.doc.config.as_ref().map(|c| c.digest.to_string());
         v.children = n
             .children_needed()
             .map(|(c, need)| (c.clone(), need))
@@ -166,26 +167,26 @@ pub(super) struct Walk {
 }
 
 impl Walk {
-    pub fn new(root: &Descriptor) -> Walk {
-        Walk {
+    /// A walk from a record's target (containerd validated its digest when
+    /// the record was written; one it did not is refused here).
+    pub fn new(root: &Descriptor) -> Result<Walk, ctrd::Error> {
+        let digest = Digest::parse(&root.digest)
+            .map_err(|e| ctrd::Error::Protocol(format!("image target: {e}")))?;
+        Ok(Walk {
             root: root.digest.clone(),
-            queue: vec![Child {
-                media_type: root.media_type.clone(),
-                digest: root.digest.clone(),
-                size: root.size,
-            }],
+            queue: vec![Child::new(root.media_type.clone(), digest, root.size)],
             seen: HashSet::new(),
             edges: HashMap::new(),
             outcome: Outcome::default(),
             configs: Vec::new(),
             missing: Vec::new(),
-        }
+        })
     }
 
     /// The next blob to inspect, never one inspected before.
     pub fn next(&mut self) -> Option<Child> {
         while let Some(c) = self.queue.pop() {
-            if self.seen.insert(c.digest.clone()) {
+            if self.seen.insert(c.digest.to_string()) {
                 return Some(c);
             }
         }
@@ -201,8 +202,8 @@ impl Walk {
         }
         self.configs.extend(v.config);
         if !v.children.is_empty() {
-            let e = v.children.iter().map(|(c, n)| (c.digest.clone(), *n));
-            self.edges.insert(child.digest.clone(), e.collect());
+            let e = v.children.iter().map(|(c, n)| (c.digest.to_string(), *n));
+            self.edges.insert(child.digest.to_string(), e.collect());
         }
         self.queue.extend(v.children.into_iter().map(|(c, _)| c));
         v.write
@@ -220,7 +221,7 @@ impl Walk {
             .missing
             .into_iter()
             .map(|c| {
-                let n = match here.contains(&c.digest) {
+                let n = match here.contains(c.digest.as_str()) {
                     true => Need::Node,
                     false => Need::OtherPlatform,
                 };
@@ -299,7 +300,7 @@ impl Replicator {
         lease: &Lease,
         gate: &protect::Gate,
     ) -> Result<Found, ctrd::Error> {
-        let mut walk = Walk::new(root);
+        let mut walk = Walk::new(root)?;
         let mut running: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
         loop {
             while running.len() < PARALLEL {
@@ -474,12 +475,15 @@ impl Replicator {
     /// the index entry for this platform ([`tree::Node::host`]).
     pub(super) async fn cri_id(&self, source: &str, root: &Descriptor) -> Option<String> {
         let node = self.node(source, &root.digest).await.ok()?;
-        let manifest = match (&node.config, node.host) {
+        let manifest = match (&node.doc.config, node.host) {
             (Some(_), _) => node,
-            (None, Some(i)) => self.node(source, &node.manifests[i].digest).await.ok()?,
+            (None, Some(i)) => self
+                .node(source, &node.doc.manifests[i].child.digest)
+                .await
+                .ok()?,
             (None, None) => return None,
         };
-        manifest.config.as_ref().map(|c| c.digest.clone())
+        manifest.doc.config.as_ref().map(|c| c.digest.to_string())
     }
 }
 
@@ -591,22 +595,22 @@ mod tests {
     /// Walks as [`Replicator::walk`] does, one blob at a time, every write
     /// succeeding.
     fn walk(root: &Descriptor, source: &Store, target: &Store) -> Run {
-        let mut w = Walk::new(root);
+        let mut w = Walk::new(root).unwrap();
         let (mut order, mut writes) = (Vec::new(), Vec::new());
         while let Some(c) = w.next() {
-            order.push(c.digest.clone());
-            let v = match source.0.get(&c.digest) {
+            order.push(c.digest.to_string());
+            let v = match source.0.get(c.digest.as_str()) {
                 None => Visit {
                     pending: true,
                     ..Default::default()
                 },
                 Some((info, node)) => {
-                    let there = target.0.get(&c.digest).map(|(i, _)| i.clone());
+                    let there = target.0.get(c.digest.as_str()).map(|(i, _)| i.clone());
                     visit(info.clone(), there, node.as_ref(), Some(&registry()))
                 }
             };
             if let Some(write) = w.inspected(&c, v) {
-                writes.push((c.digest.clone(), write));
+                writes.push((c.digest.to_string(), write));
                 w.wrote(1);
             }
         }
@@ -722,7 +726,7 @@ mod tests {
             .found
             .missing
             .iter()
-            .map(|(c, n)| (c.digest.clone(), *n))
+            .map(|(c, n)| (c.digest.to_string(), *n))
             .collect();
         missing.sort();
         use Need::*;
@@ -751,7 +755,7 @@ mod tests {
             .found
             .missing
             .iter()
-            .map(|(c, n)| (c.digest.clone(), *n))
+            .map(|(c, n)| (c.digest.to_string(), *n))
             .collect();
         missing.sort();
         let mut want = [(d('a'), Need::Node), (d('6'), Need::Node)];

@@ -11,7 +11,7 @@ use super::{
     Descriptor, PlannedImage, Resolved, SmallBlob, GC_REF, MT_DOCKER_CONFIG, MT_DOCKER_LAYER,
     MT_DOCKER_LAYER_GZIP, MT_DOCKER_LAYER_ZSTD, MT_DOCKER_MANIFEST,
 };
-use crate::reference;
+use crate::oci::reference;
 
 impl Walker<'_> {
     pub(super) fn resolve_docker(&self, entries: &[DockerEntry], r: &mut Resolved) {

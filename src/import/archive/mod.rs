@@ -34,7 +34,7 @@ use blobs::{hex_digest, Walker};
 pub use container::Compression;
 use container::{Capped, Fault, RawReader, Stream};
 use docker::DockerEntry;
-use oci::{oci_name, Meta};
+use oci::oci_name;
 
 /// Bytes read from a tar entry per step (and per chunk handed to a sink).
 pub const CHUNK: usize = 1 << 20;
@@ -124,6 +124,8 @@ pub enum ArchiveError {
     MetadataBudget(usize),
     #[error("{}: invalid JSON: {}", .0, json_reason(.1))]
     Json(String, #[source] serde_json::Error),
+    #[error("index.json: {0}")]
+    Index(String),
     #[error("blob {path:?} hashes to {actual}, not the digest its name claims")]
     DigestMismatch { path: String, actual: String },
     #[error("entry {0:?} is shorter than its header says (truncated archive)")]
@@ -457,17 +459,13 @@ impl Walker<'_> {
             }
         }
         let index = match self.meta.get("index.json") {
-            Some(b) => Some(
-                serde_json::from_slice::<Meta>(b)
-                    .map_err(|e| ArchiveError::Json("index.json".into(), e))?,
-            ),
+            Some(b) => Some(oci::index(b)?),
             None => None,
         };
         let named_oci = index.as_ref().is_some_and(|i| {
             i.manifests
                 .iter()
-                .flatten()
-                .any(|d| oci_name(d, &mut Vec::new()).is_some())
+                .any(|e| oci_name(e, &mut Vec::new()).is_some())
         });
         let format = if named_oci || !self.meta.contains_key("manifest.json") {
             let Some(index) = index else {

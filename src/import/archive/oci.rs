@@ -1,37 +1,38 @@
 //! OCI image layout: `index.json` names images; each manifest or index is
-//! checked down to its blobs, keeping only platforms present in the archive.
+//! checked down to its blobs ([`Manifest`], the house's one model of
+//! them), keeping only platforms present in the archive.
 
-use std::collections::{BTreeMap, HashMap};
-
-use serde::Deserialize;
+use std::collections::BTreeMap;
 
 use super::blobs::{push_retained, Blob, Walker};
 use super::{
-    Descriptor, PlannedImage, Resolved, SmallBlob, ANN_CONTAINERD_NAME, ANN_OCI_REF_NAME, GC_REF,
-    MAX_DEPTH, MT_DOCKER_LIST, MT_DOCKER_MANIFEST, MT_OCI_INDEX, MT_OCI_MANIFEST,
+    ArchiveError, Descriptor, PlannedImage, Resolved, SmallBlob, ANN_CONTAINERD_NAME,
+    ANN_OCI_REF_NAME, MAX_DEPTH,
 };
-use crate::reference;
+use crate::labels::media_type;
+use crate::oci::manifest::{gc_key_entry, gc_key_manifest};
+use crate::oci::{reference, Child, Entry, Manifest, ManifestError};
 
 impl Walker<'_> {
-    pub(super) fn resolve_oci(&self, index: &Meta, r: &mut Resolved) {
-        let mut by_digest: BTreeMap<String, (Vec<String>, OciDesc)> = BTreeMap::new();
-        for d in index.manifests.iter().flatten() {
-            let Some(name) = oci_name(d, &mut r.warnings) else {
+    pub(super) fn resolve_oci(&self, index: &Manifest, r: &mut Resolved) {
+        let mut by_digest: BTreeMap<String, (Vec<String>, Child)> = BTreeMap::new();
+        for e in &index.manifests {
+            let Some(name) = oci_name(e, &mut r.warnings) else {
                 r.warnings.push(format!(
                     "index.json entry {} has no usable name annotation; not imported",
-                    d.digest
+                    e.child.digest
                 ));
                 continue;
             };
-            let e = by_digest
-                .entry(d.digest.clone())
-                .or_insert_with(|| (Vec::new(), d.clone()));
-            if !e.0.contains(&name) {
-                e.0.push(name);
+            let v = by_digest
+                .entry(e.child.digest.to_string())
+                .or_insert_with(|| (Vec::new(), e.child.clone()));
+            if !v.0.contains(&name) {
+                v.0.push(name);
             }
         }
-        for (digest, (names, desc)) in by_digest {
-            match self.walk_desc(&desc, 0, &mut r.warnings) {
+        for (digest, (names, child)) in by_digest {
+            match self.walk_desc(&child, 0, &mut r.warnings) {
                 Ok((target, blobs)) => r.images.push(PlannedImage {
                     names,
                     target,
@@ -48,7 +49,7 @@ impl Walker<'_> {
     /// descriptor to record and the metadata blobs to write, children first.
     pub(super) fn walk_desc(
         &self,
-        d: &OciDesc,
+        d: &Child,
         depth: usize,
         warnings: &mut Vec<String>,
     ) -> Result<(Descriptor, Vec<SmallBlob>), WalkError> {
@@ -64,30 +65,17 @@ impl Walker<'_> {
                 d.digest, self.limits.metadata
             )));
         };
-        let m: Meta = serde_json::from_slice(data).map_err(|e| {
-            WalkError::Bad(format!(
-                "{}: invalid JSON: {}",
-                d.digest,
-                super::json_reason(&e)
-            ))
-        })?;
-        let media_type = media_type_of(d, &m);
-        let desc = Descriptor {
-            media_type: media_type.clone(),
-            digest: d.digest.clone(),
-            size: blob.size as i64,
-        };
-        let (labels, mut out) = if media_type == MT_OCI_INDEX || media_type == MT_DOCKER_LIST {
+        let m = Manifest::parse(data)
+            .map_err(|e| WalkError::Bad(format!("{}: {}", d.digest, reason(&e))))?;
+        let desc = descriptor(d);
+        let (labels, mut out) = if media_type::is_index(&d.media_type) {
             self.walk_index(d, &m, depth, warnings)?
-        } else if m.config.is_some()
-            || media_type == MT_OCI_MANIFEST
-            || media_type == MT_DOCKER_MANIFEST
-        {
+        } else if m.config.is_some() || media_type::is_manifest(&d.media_type) {
             self.walk_manifest(d, &m)?
         } else {
             return Err(WalkError::Bad(format!(
-                "{} has unsupported media type {media_type:?}",
-                d.digest
+                "{} has unsupported media type {:?}",
+                d.digest, d.media_type
             )));
         };
         out.push(SmallBlob {
@@ -101,24 +89,24 @@ impl Walker<'_> {
     /// An index's children: the ones present, at least one of them.
     fn walk_index(
         &self,
-        d: &OciDesc,
-        m: &Meta,
+        d: &Child,
+        m: &Manifest,
         depth: usize,
         warnings: &mut Vec<String>,
     ) -> Result<Below, WalkError> {
         let mut out = Vec::new();
         let mut labels = BTreeMap::new();
         let mut problems = Vec::new();
-        for (i, c) in m.manifests.iter().flatten().enumerate() {
-            match self.walk_desc(c, depth + 1, warnings) {
+        for (i, e) in m.manifests.iter().enumerate() {
+            match self.walk_desc(&e.child, depth + 1, warnings) {
                 Ok((_, blobs)) => {
-                    labels.insert(format!("{GC_REF}.m.{i}"), c.digest.clone());
+                    labels.insert(gc_key_entry(i), e.child.digest.to_string());
                     out.extend(blobs);
                 }
                 // Another platform's manifest, left out of the archive.
                 Err(WalkError::Missing(_)) => {}
-                Err(e) => {
-                    let p = format!("{} {}: {}", platform(c), c.digest, e.msg());
+                Err(err) => {
+                    let p = format!("{} {}: {}", platform(e), e.child.digest, err.msg());
                     warnings.push(format!("skipping {p}"));
                     problems.push(p);
                 }
@@ -139,7 +127,7 @@ impl Walker<'_> {
     }
 
     /// A manifest's config and layers, every one of them present.
-    fn walk_manifest(&self, d: &OciDesc, m: &Meta) -> Result<Below, WalkError> {
+    fn walk_manifest(&self, d: &Child, m: &Manifest) -> Result<Below, WalkError> {
         let mut out = Vec::new();
         let mut labels = BTreeMap::new();
         let Some(cfg) = &m.config else {
@@ -148,12 +136,11 @@ impl Walker<'_> {
                 d.digest
             )));
         };
-        let children = std::iter::once(("config", cfg, "config".to_string())).chain(
+        let children = std::iter::once(("config", cfg, gc_key_manifest(None))).chain(
             m.layers
                 .iter()
-                .flatten()
                 .enumerate()
-                .map(|(i, l)| ("layer", l, format!("l.{i}"))),
+                .map(|(i, l)| ("layer", l, gc_key_manifest(Some(i)))),
         );
         for (kind, c, key) in children {
             let b = self.present(c).map_err(|e| {
@@ -164,17 +151,14 @@ impl Walker<'_> {
                     e.msg()
                 ))
             })?;
-            push_retained(&mut out, &c.descriptor(), b, BTreeMap::new());
-            labels.insert(format!("{GC_REF}.{key}"), c.digest.clone());
+            push_retained(&mut out, &descriptor(c), b, BTreeMap::new());
+            labels.insert(key, c.digest.to_string());
         }
         Ok((labels, out))
     }
 
-    pub(super) fn present(&self, d: &OciDesc) -> Result<&Blob, WalkError> {
-        if !reference::valid_digest(&d.digest) {
-            return Err(WalkError::Bad(format!("invalid digest {:?}", d.digest)));
-        }
-        let Some(b) = self.blobs.get(&d.digest) else {
+    pub(super) fn present(&self, d: &Child) -> Result<&Blob, WalkError> {
+        let Some(b) = self.blobs.get(d.digest.as_str()) else {
             return Err(WalkError::Missing(format!(
                 "{} is not in the archive",
                 d.digest
@@ -194,21 +178,25 @@ impl Walker<'_> {
 /// metadata blobs to write (children first).
 type Below = (BTreeMap<String, String>, Vec<SmallBlob>);
 
-/// The descriptor's media type, else the document's own, else guessed from
-/// its shape.
-fn media_type_of(d: &OciDesc, m: &Meta) -> String {
-    [d.media_type.as_deref(), m.media_type.as_deref()]
-        .into_iter()
-        .flatten()
-        .find(|s| !s.is_empty())
-        .map(str::to_owned)
-        .unwrap_or_else(|| {
-            if m.manifests.is_some() {
-                MT_OCI_INDEX.into()
-            } else {
-                MT_OCI_MANIFEST.into()
-            }
-        })
+fn descriptor(c: &Child) -> Descriptor {
+    Descriptor {
+        media_type: c.media_type.clone(),
+        digest: c.digest.to_string(),
+        size: c.size,
+    }
+}
+
+/// Why a document is not an index or manifest, without quoting it.
+pub(super) fn reason(e: &ManifestError) -> String {
+    match e {
+        ManifestError::Json(j) => format!("invalid JSON: {}", super::json_reason(j)),
+        ManifestError::Invalid(m) => m.clone(),
+    }
+}
+
+/// `index.json`, as an index.
+pub(super) fn index(bytes: &[u8]) -> Result<Manifest, ArchiveError> {
+    Manifest::parse(bytes).map_err(|e| ArchiveError::Index(reason(&e)))
 }
 
 pub(super) enum WalkError {
@@ -225,56 +213,11 @@ impl WalkError {
     }
 }
 
-/// The fields of an index, manifest or config we care about.
-#[derive(Deserialize, Default)]
-pub(super) struct Meta {
-    #[serde(rename = "mediaType", default)]
-    pub(super) media_type: Option<String>,
-    #[serde(default)]
-    pub(super) manifests: Option<Vec<OciDesc>>,
-    #[serde(default)]
-    pub(super) config: Option<OciDesc>,
-    #[serde(default)]
-    pub(super) layers: Option<Vec<OciDesc>>,
-}
-
-#[derive(Deserialize, Clone, Debug)]
-pub(super) struct OciDesc {
-    #[serde(rename = "mediaType", default)]
-    pub(super) media_type: Option<String>,
-    pub(super) digest: String,
-    pub(super) size: i64,
-    #[serde(default)]
-    pub(super) annotations: Option<HashMap<String, String>>,
-    #[serde(default)]
-    pub(super) platform: Option<Platform>,
-}
-
-#[derive(Deserialize, Clone, Debug)]
-pub(super) struct Platform {
-    #[serde(default)]
-    pub(super) os: String,
-    #[serde(default)]
-    pub(super) architecture: String,
-    #[serde(default)]
-    pub(super) variant: Option<String>,
-}
-
-impl OciDesc {
-    fn descriptor(&self) -> Descriptor {
-        Descriptor {
-            media_type: self.media_type.clone().unwrap_or_default(),
-            digest: self.digest.clone(),
-            size: self.size,
-        }
-    }
-}
-
-pub(super) fn platform(d: &OciDesc) -> String {
-    match &d.platform {
+pub(super) fn platform(e: &Entry) -> String {
+    match &e.platform {
         Some(p) => {
-            let mut s = format!("platform {}/{}", p.os, p.architecture);
-            if let Some(v) = &p.variant {
+            let mut s = format!("platform {}/{}", p.os(), p.architecture());
+            if let Some(v) = p.variant() {
                 s.push('/');
                 s.push_str(v);
             }
@@ -287,8 +230,8 @@ pub(super) fn platform(d: &OciDesc) -> String {
 /// The image name of an index.json entry: `io.containerd.image.name`, or
 /// `org.opencontainers.image.ref.name` when it is a full reference (a bare
 /// tag such as `latest` names no repository; containerd skips those too).
-pub(super) fn oci_name(d: &OciDesc, warnings: &mut Vec<String>) -> Option<String> {
-    let a = d.annotations.as_ref()?;
+pub(super) fn oci_name(e: &Entry, warnings: &mut Vec<String>) -> Option<String> {
+    let a = e.annotations.as_ref()?;
     let candidate = a.get(ANN_CONTAINERD_NAME).or_else(|| {
         a.get(ANN_OCI_REF_NAME)
             .filter(|r| r.contains(['/', ':', '@']))

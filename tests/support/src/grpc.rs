@@ -227,3 +227,44 @@ pub fn assert_cri_managed(records: &[&containerd_client::services::v1::Image]) {
         );
     }
 }
+
+/// Every lease in every namespace as `(namespace, id, owner label)`, and
+/// every active ingest as `(namespace, ref)`, read straight from
+/// containerd: what a killed imgbridge can leave behind.
+pub async fn leases_and_ingests(
+    sock: &std::path::Path,
+) -> (Vec<(String, String, Option<String>)>, Vec<(String, String)>) {
+    use containerd_client::services::v1::{
+        leases_client::LeasesClient, namespaces_client::NamespacesClient, ListNamespacesRequest,
+        ListRequest, ListStatusesRequest,
+    };
+    let ch = containerd_channel(sock).await;
+    let namespaces = NamespacesClient::new(ch.clone())
+        .list(ListNamespacesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .namespaces;
+    let (mut leases, mut ingests) = (Vec::new(), Vec::new());
+    for ns in namespaces.into_iter().map(|n| n.name) {
+        let ls = LeasesClient::new(ch.clone())
+            .list(with_ns(ListRequest::default(), &ns))
+            .await
+            .unwrap()
+            .into_inner()
+            .leases;
+        for l in ls {
+            let owner = l.labels.get("io.imgbridge.owner").cloned();
+            leases.push((ns.clone(), l.id, owner));
+        }
+        let st = content_client(sock)
+            .await
+            .list_statuses(with_ns(ListStatusesRequest::default(), &ns))
+            .await
+            .unwrap()
+            .into_inner()
+            .statuses;
+        ingests.extend(st.into_iter().map(|s| (ns.clone(), s.r#ref)));
+    }
+    (leases, ingests)
+}

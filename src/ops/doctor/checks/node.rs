@@ -11,19 +11,9 @@ use crate::ops::doctor::timed;
 
 pub(in crate::ops::doctor) async fn namespaces(config: &Config, r: &mut Report) {
     let c = Containerd::new(&config.upstream);
-    let list = timed(async {
-        c.namespaces()
-            .list(containerd_client::services::v1::ListNamespacesRequest::default())
-            .await
-    })
-    .await;
+    let list = timed(c.list_namespaces()).await;
     let present: Vec<String> = match list {
-        Ok(l) => l
-            .into_inner()
-            .namespaces
-            .into_iter()
-            .map(|n| n.name)
-            .collect(),
+        Ok(l) => l,
         Err(e) => {
             r.warn(
                 "namespaces",

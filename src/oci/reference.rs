@@ -22,11 +22,13 @@
 
 use std::fmt;
 
+use super::digest::Digest;
+use super::name::{valid_component, valid_tag, MAX_NAME};
+
 /// Registry used when a reference names none.
 pub const DEFAULT_DOMAIN: &str = "docker.io";
 const LEGACY_DOMAIN: &str = "index.docker.io";
 const OFFICIAL_PREFIX: &str = "library/";
-const MAX_NAME: usize = 255;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReferenceError {
@@ -54,7 +56,7 @@ pub struct Reference {
     pub domain: String,
     pub path: String,
     pub tag: Option<String>,
-    pub digest: Option<String>,
+    pub digest: Option<Digest>,
 }
 
 impl fmt::Display for Reference {
@@ -143,7 +145,7 @@ fn parse_normalized(s: &str) -> Result<Reference, ReferenceError> {
         return Err(ReferenceError::Domain(err_s(), domain));
     }
     for c in path.split('/') {
-        if !valid_path_component(c) {
+        if !valid_component(c) {
             return Err(ReferenceError::Path(err_s(), c.into()));
         }
     }
@@ -155,11 +157,10 @@ fn parse_normalized(s: &str) -> Result<Reference, ReferenceError> {
             return Err(ReferenceError::Tag(err_s(), t.clone()));
         }
     }
-    if let Some(d) = &digest {
-        if !valid_digest(d) {
-            return Err(ReferenceError::Digest(err_s(), d.clone()));
-        }
-    }
+    let digest = match digest {
+        Some(d) => Some(Digest::parse(&d).map_err(|_| ReferenceError::Digest(err_s(), d))?),
+        None => None,
+    };
     Ok(Reference {
         domain,
         path,
@@ -205,56 +206,6 @@ fn valid_domain(d: &str) -> bool {
         })
 }
 
-/// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`
-fn valid_path_component(c: &str) -> bool {
-    let b = c.as_bytes();
-    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
-    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
-        return false;
-    }
-    let mut i = 0;
-    while i < b.len() {
-        if alnum(b[i]) {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < b.len() && !alnum(b[i]) {
-            i += 1;
-        }
-        let sep = &c[start..i];
-        let ok = sep == "." || sep == "_" || sep == "__" || sep.bytes().all(|x| x == b'-');
-        if !ok {
-            return false;
-        }
-    }
-    true
-}
-
-/// `[\w][\w.-]{0,127}`
-fn valid_tag(t: &str) -> bool {
-    let b = t.as_bytes();
-    let word = |x: u8| x.is_ascii_alphanumeric() || x == b'_';
-    !b.is_empty()
-        && b.len() <= 128
-        && word(b[0])
-        && b.iter().all(|x| word(*x) || *x == b'.' || *x == b'-')
-}
-
-/// A digest containerd accepts: a known algorithm with lowercase hex of the right length.
-pub fn valid_digest(d: &str) -> bool {
-    let Some((alg, hex)) = d.split_once(':') else {
-        return false;
-    };
-    let len = match alg {
-        "sha256" => 64,
-        "sha384" => 96,
-        "sha512" => 128,
-        _ => return false,
-    };
-    hex.len() == len && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,8 +248,7 @@ mod tests {
         );
         assert!(normalize("foo@sha256:abc").is_err());
         assert!(normalize("foo@md5:0123456789abcdef0123456789abcdef").is_err());
-        assert!(valid_digest(D));
-        assert!(!valid_digest(&D.to_uppercase()));
+        assert!(normalize(&format!("foo@{}", D.to_uppercase())).is_err());
     }
 
     #[test]
