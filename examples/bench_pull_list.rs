@@ -1,6 +1,7 @@
 //! Parse time of a big pull list, for scripts/bench-pull-list.sh (not a
-//! test): issue 17.1's 1 MiB list of ~145k references, the shape
-//! `tests/hostile.rs` drops.
+//! test): a 1 MiB list of ~145k references, the shape `tests/hostile.rs`
+//! drops (deduplicated in quadratic time, such a list once stalled the
+//! proxy).
 //!
 //! ```text
 //! bench_pull_list [--rounds N] [--dir D]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Dev-loop benchmark (issue 14, point 5; not a test): "build, then start a pod
+# Dev-loop benchmark (not a test): "build, then start a pod
 # from it at once" (the Tilt race), with the real buildkitd, containerd with
 # CRI and crictl standing in for kubelet on containerd's own socket.
 #

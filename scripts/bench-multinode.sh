@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-node benchmark (issue 18, point 2; not a test): the time from "build
+# Multi-node benchmark (not a test): the time from "build
 # done on one node" to "container running on the other node", through
 # spegel, against what `kind load` does, side by side in one run.
 #

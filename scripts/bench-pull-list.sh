@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parse time of a big pull list (issue 17.1), in a release build: the
+# Parse time of a big pull list, in a release build: the
 # 1 MiB / ~145k-reference list tests/hostile.rs drops, parsed as the
 # importer does (`import::pull::read`, then the host policy), side by side
 # with a floor that only reads the file and finds its lines. Variants

@@ -52,7 +52,7 @@ pub const PINNED_VALUE: &str = "pinned";
 /// so does the replicator when it knows the image id (and writes the id
 /// record first). Otherwise CRI sets it on the record's first event, and it
 /// is cleared when the digest changes so CRI re-reads the image
-/// (reference §5).
+/// ([docs/design.md](../docs/design.md#replication), step 3).
 pub const CRI_MANAGED: &str = "io.cri-containerd.image";
 pub const CRI_MANAGED_VALUE: &str = "managed";
 

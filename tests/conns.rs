@@ -1,5 +1,5 @@
 //! What idle connections cost imgbridge, and that it gives the memory back
-//! once they close (issue 17, point 6), against a real containerd.
+//! once they close, against a real containerd.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

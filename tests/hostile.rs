@@ -1,5 +1,5 @@
 //! A hostile local user and a careless operator against the directory
-//! importer (issue 17): big pull lists, special files, file contents and
+//! importer: big pull lists, special files, file contents and
 //! control characters in logs, pull lists naming metadata services,
 //! decompression bombs. Real containerd and the real `imgbridge serve`;
 //! every wait is a poll with a deadline.
@@ -115,7 +115,7 @@ async fn probe_versions(sock: PathBuf, stop: Arc<AtomicBool>) -> (Duration, u32)
     (worst, calls)
 }
 
-/// Issue 17.1: a 1 MiB / 145k-reference list used to be deduplicated in
+/// A 1 MiB / 145k-reference list used to be deduplicated in
 /// quadratic time on the async runtime (`ctr version` hung 95 s). Calls
 /// through the proxy keep their latency while the list is handled: the
 /// slowest during it is compared with the slowest of a baseline the same
@@ -182,7 +182,7 @@ async fn big_pull_list_does_not_stall_the_proxy() {
     );
 }
 
-/// Issue 17.2: FIFOs, sockets and devices (directly or through symlinks) are
+/// FIFOs, sockets and devices (directly or through symlinks) are
 /// refused with one WARN each, never read (a FIFO used to block the watcher,
 /// `/dev/zero` as a `.txt` ate 4 GB), and other files are imported meanwhile.
 #[tokio::test]
@@ -254,7 +254,7 @@ impl NonBlock for std::fs::OpenOptions {
     }
 }
 
-/// Issue 17.3: a symlink to a secret file, read as a pull list and as an
+/// A symlink to a secret file, read as a pull list and as an
 /// archive, and a file name with a newline and an ANSI escape: neither the
 /// secret nor raw control bytes reach the log; the names appear escaped.
 #[tokio::test]
@@ -299,7 +299,7 @@ async fn file_contents_and_control_characters_never_logged() {
     );
 }
 
-/// Issue 17.8 (part): no colour codes when stderr is not a terminal (the
+/// No colour codes when stderr is not a terminal (the
 /// harness sends it to a file, as journald or a log file would).
 #[tokio::test]
 async fn no_colour_codes_when_stderr_is_a_file() {
@@ -310,7 +310,7 @@ async fn no_colour_codes_when_stderr_is_a_file() {
     assert!(!log.contains('\u{1b}'), "ESC in the log:\n{log:?}");
 }
 
-/// Issue 17.5: link-local and metadata hosts are refused before CRI sees
+/// Link-local and metadata hosts are refused before CRI sees
 /// them; private ranges are pulled; failures give up after
 /// `import.pull_attempts`, visible in /status; an invalid reference is
 /// reported once, never retried.
@@ -417,7 +417,7 @@ async fn one_shot_import_refuses_the_same_hosts() {
     }
 }
 
-/// Issue 17.8 (part): a zstd bomb (256 MiB of zeros in a few KiB) stops at
+/// A zstd bomb (256 MiB of zeros in a few KiB) stops at
 /// the decompression ratio, long before the 64 GiB cap, and says why.
 #[tokio::test]
 async fn decompression_bomb_stops_early() {

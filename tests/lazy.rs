@@ -785,8 +785,9 @@ async fn pipelined_rounds(isolated: bool, layout: Layout, rounds: usize, cri: bo
     assert_no_misses(&misses, &what, rounds, &p);
 }
 
-/// The reproduction: WRITE and COMMIT sent together, in buildkit's
-/// exporter order, with a container created the moment the layers return.
+/// The race the commit hold closes: WRITE and COMMIT sent together, in
+/// buildkit's exporter order, with a container created the moment the
+/// layers return.
 #[tokio::test]
 async fn pipelined_write_commit_100_rounds_every_layer_is_in_k8s_io_at_its_commit_reply() {
     pipelined_rounds(false, Layout::Pair, 100, true).await;

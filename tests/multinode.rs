@@ -1,4 +1,4 @@
-//! Past one node (issue 18): an image built through imgbridge on one node
+//! Past one node: an image built through imgbridge on one node
 //! runs on another, through spegel, with no registry anywhere.
 //!
 //! Two nodes on this machine, each a network namespace of its own

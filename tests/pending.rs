@@ -1,4 +1,4 @@
-//! Which missing blobs imgbridge reports (issue 32): only those a pod on
+//! Which missing blobs imgbridge reports: only those a pod on
 //! this node could need, and only while an image still names them. A pull
 //! for this node's platform never fetches the other platforms of an
 //! index, and an image deleted from the source needs nothing any more:

@@ -1,6 +1,6 @@
 //! A client's PINGs through imgbridge get what containerd would give them
 //! directly: held replies released late must not earn the client
-//! `GOAWAY(ENHANCE_YOUR_CALM, "too_many_pings")` (issue 17).
+//! `GOAWAY(ENHANCE_YOUR_CALM, "too_many_pings")`.
 //!
 //! Why it could: containerd (grpc-go) counts a strike for a client PING
 //! that arrives when it has written no HEADERS/DATA since the last one, and

@@ -1,4 +1,4 @@
-//! Fast, clean restarts (issue 13, point 8): on SIGTERM imgbridge releases
+//! Fast, clean restarts: on SIGTERM imgbridge releases
 //! both sockets at once, so a new instance binds them while the old one
 //! drains; open-ended subscriptions are ended with UNAVAILABLE instead of
 //! holding the drain; calls that end on their own (a held write, a content

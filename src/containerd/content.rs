@@ -3,7 +3,10 @@
 //! In `shared` mode a blob already in the backend is linked with a data-less
 //! ingest (STAT, then COMMIT at `offset = total`): no bytes move. In
 //! `isolated` mode, or when the backend lacks it, bytes are streamed with
-//! bounded memory. See reference §1 for the exact wire sequence.
+//! bounded memory. Where this is in a replication:
+//! [docs/design.md](../../docs/design.md#replication), step 2. The messages
+//! themselves: [`Containerd::link_shared`] (the COMMIT alone, one round trip)
+//! and [`Containerd::link_or_copy`] (STAT, then COMMIT, or WRITEs and COMMIT).
 
 use std::collections::HashMap;
 

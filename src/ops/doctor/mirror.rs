@@ -409,7 +409,9 @@ async fn probe_mirror(url: &str, r: &mut Report) {
 
 /// 2.1+'s Transfer trap: CRI pulls through Transfer pass `config_path` to
 /// `HostDirFromRoot` as one directory, so a list matches no `hosts.toml`
-/// and mirrors are silently skipped (containerd issues 12415, 12636).
+/// and mirrors are silently skipped
+/// (<https://github.com/containerd/containerd/issues/12415>,
+/// <https://github.com/containerd/containerd/issues/12636>).
 fn pull_path(reg: &CriRegistry, first_root: &str, r: &mut Report) {
     let what = "CRI pull path";
     let list = reg.dirs().len() > 1;

@@ -16,6 +16,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use super::ctx::Ctx;
 use super::error::SpliceError;
 use super::frame::{self, Reason, StreamId};
+use super::phase::{Linger, Phase};
 use super::pump::Pump;
 use super::reply::error_reply;
 use super::side::{Out, Side};
@@ -35,79 +36,10 @@ pub(super) struct Conn {
     up: Pump,
     /// containerd to client.
     down: Pump,
+    /// The calls, and the connection's [`Phase`] (`st.phase`).
     st: State,
     /// The drain signal, until it fires.
     drain: Option<Drain>,
-    phase: Phase,
-}
-
-/// Where the connection is in its life. A later phase wins over an earlier
-/// one: `Closing` over all, `Lingering` over `Lost` and `Draining`.
-enum Phase {
-    /// Calls come and go.
-    Open,
-    /// GOAWAY was sent (a drain): calls up to it finish, later ones are
-    /// refused. `ending`: the open-ended calls are still to be ended (at the
-    /// next point where no reply header block is half read).
-    Draining { ending: bool },
-    /// containerd is gone: calls were answered UNAVAILABLE; `grace` is how
-    /// long the client gets to hang up.
-    Lost { grace: Pin<Box<tokio::time::Sleep>> },
-    /// The client has been told why the connection closes (see
-    /// [`Conn::close_loudly`]); it ends with `error` once that is written,
-    /// or when `grace` is over.
-    Closing {
-        error: SpliceError,
-        grace: Pin<Box<tokio::time::Sleep>>,
-    },
-    /// A drain answered every call and our side is closed: reading until
-    /// the client hangs up.
-    Lingering(Linger),
-}
-
-/// After containerd went away: how long a client that received GOAWAY may
-/// keep the connection before it is closed.
-const LOST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// After a drain answered every call: how long the client may keep the
-/// connection (it may still be reading the last reply) before it is closed.
-pub(super) const DRAIN_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
-/// How often a lingering connection checks whether the client has read
-/// everything.
-pub(super) const LINGER_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
-
-/// Keeps a drained connection open while the client is still reading: until
-/// it hangs up, or has left nothing unread for a whole check period (time to
-/// act on what it read), or `DRAIN_LINGER` is over.
-struct Linger {
-    deadline: tokio::time::Instant,
-    check: Pin<Box<tokio::time::Sleep>>,
-    drained_once: bool,
-}
-
-impl Linger {
-    fn new() -> Linger {
-        let now = tokio::time::Instant::now();
-        Linger {
-            deadline: now + DRAIN_LINGER,
-            check: Box::pin(tokio::time::sleep_until(now + LINGER_CHECK)),
-            drained_once: false,
-        }
-    }
-
-    /// Ready when the connection may be closed.
-    fn poll(&mut self, cx: &mut Context<'_>, client: &Sock) -> Poll<()> {
-        while self.check.as_mut().poll(cx).is_ready() {
-            let now = tokio::time::Instant::now();
-            let drained = client.unread().map_or(true, |n| n == 0);
-            if (drained && self.drained_once) || now >= self.deadline {
-                return Poll::Ready(());
-            }
-            self.drained_once = drained;
-            self.check.as_mut().reset(now + LINGER_CHECK);
-        }
-        Poll::Pending
-    }
 }
 
 /// The drain signal, checked with one atomic load per wake-up. Polling the
@@ -184,7 +116,6 @@ impl Conn {
             down: Pump::new(Side::Containerd),
             st: State::new(ctx),
             drain: Some(Drain::new(drain)),
-            phase: Phase::Open,
         })
     }
 
@@ -193,7 +124,7 @@ impl Conn {
     /// a new connection, like containerd's own restart would, but with a
     /// reason. `Err` when that is not possible (a frame was cut in half).
     fn lose(&mut self, why: &dyn fmt::Display) -> Result<(), SpliceError> {
-        if self.st.lost {
+        if self.st.phase.is_lost() {
             return Ok(());
         }
         // Replies already on their way to the client end their calls.
@@ -206,7 +137,7 @@ impl Conn {
             ));
         }
         tracing::info!(upstream = %self.st.ctx.upstream.display(), reason = %why, "containerd connection lost; answering UNAVAILABLE and sending the client away");
-        self.st.lost = true;
+        self.st.phase = Phase::lost();
         self.down.eof = true;
         self.down.scan = self.down.end;
         let msg = format!(
@@ -230,9 +161,6 @@ impl Conn {
         // The first step of a graceful GOAWAY (RFC 9113 §6.8): no new calls
         // here, but calls already on their way are still answered.
         (self.down.inject).push_back(frame::goaway(StreamId::MAX, Reason::NO_ERROR));
-        self.phase = Phase::Lost {
-            grace: Box::pin(tokio::time::sleep(LOST_GRACE)),
-        };
         Ok(())
     }
 
@@ -246,16 +174,13 @@ impl Conn {
         if !self.down.end_with(goaway) {
             return Err(e); // mid-frame: the client sees the close
         }
-        self.phase = Phase::Closing {
-            error: e,
-            grace: Box::pin(tokio::time::sleep(LOST_GRACE)),
-        };
+        self.st.phase = Phase::closing(e);
         Ok(())
     }
 
     /// Ends the open-ended calls in flight ([`super::OPEN_ENDED`]).
     fn end_open_ended(&mut self) -> Result<(), SpliceError> {
-        if self.st.lost {
+        if self.st.phase.is_lost() {
             return Ok(()); // all answered already
         }
         // Which calls have had a reply: the reply blocks written but not yet
@@ -272,7 +197,7 @@ impl Conn {
     pub(super) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
         self.check_drain(cx);
         loop {
-            match &mut self.phase {
+            match &mut self.st.phase {
                 Phase::Closing { .. } => return self.poll_closing(cx),
                 Phase::Lingering(linger) => {
                     // Our side is closed; the client's frames go nowhere.
@@ -313,7 +238,7 @@ impl Conn {
                 }
                 (Err(e), _) | (_, Err(e)) => return Poll::Ready(Err(e)),
             };
-            if let Phase::Lost { grace } = &mut self.phase {
+            if let Phase::Lost { grace } = &mut self.st.phase {
                 // The client hung up, or had its time to.
                 let grace_over = grace.as_mut().poll(cx).is_ready();
                 if up_done || (grace_over && !self.st.awaiting_hooks()) {
@@ -332,13 +257,13 @@ impl Conn {
                 // is still reading) fail with EPIPE, and that error would
                 // fail the reply: half-close, and read until it hangs up.
                 let _ = self.client.shutdown_write();
-                self.phase = Phase::Lingering(Linger::new());
+                self.st.phase = Phase::Lingering(Linger::new());
                 continue;
             }
             // Go round again only for work queued after its pump was polled.
             let again = self.up.inject.len() > queued_up
                 || self.st.hooks.take_added()
-                || (matches!(self.phase, Phase::Draining { ending: true })
+                || (matches!(self.st.phase, Phase::Draining { ending: true })
                     && self.down.block.is_none());
             if !again {
                 return Poll::Pending;
@@ -358,8 +283,8 @@ impl Conn {
         self.drain = None;
         self.st.goaway = Some(self.st.last_stream);
         (self.down.inject).push_back(frame::goaway(self.st.last_stream, Reason::NO_ERROR));
-        if let Phase::Open = self.phase {
-            self.phase = Phase::Draining { ending: true };
+        if let Phase::Open = self.st.phase {
+            self.st.phase = Phase::Draining { ending: true };
         }
     }
 
@@ -374,6 +299,7 @@ impl Conn {
             &mut self.upstream,
             &mut self.down.inject,
             &mut self.st,
+            self.up.eof,
         );
         self.st.open_calls();
         let down = (self.down).poll(
@@ -382,6 +308,7 @@ impl Conn {
             &mut self.client,
             &mut self.up.inject,
             &mut self.st,
+            self.up.eof,
         );
         self.st.ended.clear();
         (up, down)
@@ -389,18 +316,18 @@ impl Conn {
 
     /// Only the GOAWAY (and what was queued before it) is left to write.
     fn poll_closing(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SpliceError>> {
-        match std::mem::replace(&mut self.phase, Phase::Open) {
+        match std::mem::replace(&mut self.st.phase, Phase::Open) {
             Phase::Closing { error, mut grace } => {
                 let written = self.down.flush_queued(cx, &mut self.client).is_ready();
                 let late = grace.as_mut().poll(cx).is_ready();
                 if written || late {
                     return Poll::Ready(Err(error));
                 }
-                self.phase = Phase::Closing { error, grace };
+                self.st.phase = Phase::Closing { error, grace };
                 Poll::Pending
             }
             other => {
-                self.phase = other;
+                self.st.phase = other;
                 Poll::Pending
             }
         }
@@ -411,6 +338,7 @@ impl Conn {
 mod tests {
     //! Frame-level checks with both peers played by hand.
     use super::super::frame::{self, Kind, Reason};
+    use super::super::phase::{DRAIN_LINGER, LINGER_CHECK};
     use super::super::testing::*;
     use super::*;
     use crate::proxy::observe::CallObserver;
@@ -428,7 +356,7 @@ mod tests {
         drop(server); // containerd dies with the call in flight
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(1)));
         assert!(h.has(frame::END_STREAM));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -450,7 +378,7 @@ mod tests {
         // A call that was already on its way is answered the same way.
         client.write_all(&request(3, "/t.S/Plain")).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 3));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(3)));
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(fields.contains(&(b"grpc-status".to_vec(), b"14".to_vec())));
         drop(client);
@@ -505,7 +433,7 @@ mod tests {
         assert_eq!(h.kind, Kind::GoAway);
         assert_eq!(&p[..4], &3u32.to_be_bytes(), "both calls were accepted");
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(1)));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(
@@ -516,8 +444,12 @@ mod tests {
         assert!(msg.1.contains("restarting"), "{msg:?}");
         let (h, p) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream.get(), &p[..]),
-            (Kind::RstStream, 1, &Reason::CANCEL.0.to_be_bytes()[..])
+            (h.kind, h.stream, &p[..]),
+            (
+                Kind::RstStream,
+                StreamId::new(1),
+                &Reason::CANCEL.0.to_be_bytes()[..]
+            )
         );
 
         // An event that crossed the reset, then the plain call's reply.
@@ -531,13 +463,13 @@ mod tests {
         late.extend(ok_reply(3));
         server.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, StreamId::ZERO));
         assert_eq!(p, 5u32.to_be_bytes(), "the dropped event's credit");
         for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
             let (h, _) = read_frame(&mut client).await;
             assert_eq!(
-                (h.kind, h.stream.get()),
-                (kind, 3),
+                (h.kind, h.stream),
+                (kind, StreamId::new(3)),
                 "nothing more on stream 1"
             );
         }
@@ -590,13 +522,13 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(1)));
         assert!(h.has(frame::END_STREAM));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream), (Kind::RstStream, StreamId::new(1)));
         nothing_more(&mut client).await;
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -626,12 +558,12 @@ mod tests {
         let (h, _) = read_frame(&mut client).await;
         assert_eq!(h.kind, Kind::GoAway);
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(1)));
         let f = fields(&p);
         assert!(has(&f, "grpc-status", "14"), "{f:?}");
         assert!(!f.iter().any(|(n, _)| n == ":status"), "trailers: {f:?}");
         let (h, _) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::RstStream, 1));
+        assert_eq!((h.kind, h.stream), (Kind::RstStream, StreamId::new(1)));
         drop(client);
         tokio::time::timeout(DRAIN_LINGER, task)
             .await
@@ -659,15 +591,15 @@ mod tests {
         client.write_all(&late).await.unwrap();
         let (h, p) = read_frame(&mut client).await;
         assert_eq!(
-            (h.kind, h.stream.get(), &p[..]),
-            (Kind::RstStream, 3, &7u32.to_be_bytes()[..])
+            (h.kind, h.stream, &p[..]),
+            (Kind::RstStream, StreamId::new(3), &7u32.to_be_bytes()[..])
         );
         let mut got = vec![0; late.len()];
         server.read_exact(&mut got).await.unwrap();
         let (h, _) = read_frame(&mut server).await;
         assert_eq!(
-            (h.kind, h.stream.get()),
-            (Kind::RstStream, 3),
+            (h.kind, h.stream),
+            (Kind::RstStream, StreamId::new(3)),
             "containerd drops it too"
         );
 

@@ -152,12 +152,6 @@ impl From<u32> for StreamId {
     }
 }
 
-impl PartialEq<u32> for StreamId {
-    fn eq(&self, other: &u32) -> bool {
-        self.0 == *other
-    }
-}
-
 impl std::fmt::Display for StreamId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)
@@ -213,7 +207,8 @@ pub fn content(head: &Head, payload: &[u8]) -> Result<std::ops::Range<usize>, Ba
     Ok(start..end)
 }
 
-fn put_head(out: &mut BytesMut, len: usize, kind: Kind, flags: u8, stream: StreamId) {
+/// A frame header, for frames the splice writes itself.
+pub(super) fn put_head(out: &mut BytesMut, len: usize, kind: Kind, flags: u8, stream: StreamId) {
     out.put_uint(len as u64, 3);
     out.put_u8(kind.wire());
     out.put_u8(flags);
@@ -343,8 +338,8 @@ mod tests {
         );
         let h2 = Head::parse(&out[9 + EMIT_PAYLOAD..]);
         assert_eq!(
-            (h2.kind, h2.flags, h2.stream.get()),
-            (Kind::Continuation, 0, 3)
+            (h2.kind, h2.flags, h2.stream),
+            (Kind::Continuation, 0, StreamId::new(3))
         );
         let h3 = Head::parse(&out[18 + 2 * EMIT_PAYLOAD..]);
         assert_eq!(
@@ -404,8 +399,8 @@ mod tests {
 
     #[test]
     fn control_frames() {
-        assert!(window_update(StreamId::new(0), 0).is_none());
-        let w = window_update(StreamId::new(0), (1 << 31) + 5).unwrap();
+        assert!(window_update(StreamId::ZERO, 0).is_none());
+        let w = window_update(StreamId::ZERO, (1 << 31) + 5).unwrap();
         assert_eq!(w.len(), 26);
         assert_eq!(
             Head::parse(&rst_stream(StreamId::new(5), Reason::CANCEL)).kind,

@@ -393,7 +393,7 @@ fn encode(out: &mut BytesMut, fields: &[(Bytes, Bytes)]) {
 mod tests {
     //! Frame-level checks with both peers played by hand.
     use super::super::frame::Head;
-    use super::super::frame::{self, Kind};
+    use super::super::frame::{self, Kind, StreamId};
     use super::super::testing::*;
     use std::sync::Arc;
     use tokio::io::AsyncWriteExt;
@@ -448,7 +448,7 @@ mod tests {
             .unwrap();
 
         let (h, p) = read_frame(&mut client).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::Headers, 1));
+        assert_eq!((h.kind, h.stream), (Kind::Headers, StreamId::new(1)));
         assert!(h.has(frame::END_STREAM), "Trailers-Only error reply");
         let fields = loona_hpack::Decoder::new().decode(&p).unwrap();
         assert!(
@@ -461,7 +461,7 @@ mod tests {
         let (h, _) = read_frame(&mut server).await;
         assert_eq!((h.kind, h.flags), (Kind::Data, frame::END_STREAM));
         let (h, p) = read_frame(&mut server).await;
-        assert_eq!((h.kind, h.stream.get()), (Kind::WindowUpdate, 0));
+        assert_eq!((h.kind, h.stream), (Kind::WindowUpdate, StreamId::ZERO));
         assert_eq!(p, 5u32.to_be_bytes());
     }
 
@@ -562,7 +562,7 @@ mod tests {
         let mut status = None;
         loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream.get(), 1, "{h:?}");
+            assert_eq!(h.stream, StreamId::new(1), "{h:?}");
             match h.kind {
                 Kind::Data => got.extend(p),
                 Kind::Headers => {

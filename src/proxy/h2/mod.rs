@@ -36,6 +36,8 @@
 //!   held reply causes, which containerd would count against the client);
 //! - `reply`: the gRPC error replies the splice writes itself;
 //! - `open_ended`: the calls a drain ends at once ([`OPEN_ENDED`]);
+//! - `phase`: where the connection is in its life (open, draining, lost,
+//!   closing, lingering): the loop moves it on, the pumps and calls read it;
 //! - `verdict`, `side`, `error`, `ctx`: small shared types;
 //! - [`frame`]: the wire format: frame heads, padding, the frames the splice
 //!   writes itself, the header-block limits;
@@ -53,6 +55,7 @@ mod headers;
 mod held;
 mod hooks;
 mod open_ended;
+mod phase;
 mod ping;
 mod pump;
 mod reply;

@@ -31,7 +31,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::frame::{Head, Kind, HEADER_LEN};
+use super::frame::{put_head, Head, Kind, StreamId, HEADER_LEN};
 use super::side::{Out, Side};
 use super::verdict::Verdict;
 
@@ -115,7 +115,7 @@ impl Pings {
     /// swallowed, its ACK queued for the client; everything else is
     /// forwarded as it came.
     pub(super) fn frame(&mut self, from: Side, head: &Head, frame: &[u8], out: Out<'_>) -> Verdict {
-        if head.stream != 0 || head.len != PAYLOAD {
+        if !head.stream.is_zero() || head.len != PAYLOAD {
             return Verdict::Forward; // the receiver ends the connection
         }
         let ack = head.has(super::frame::ACK);
@@ -144,10 +144,13 @@ impl Pings {
 /// The ACK of a PING with `payload`.
 fn ack_of(payload: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + PAYLOAD);
-    out.put_uint(PAYLOAD as u64, 3);
-    out.put_u8(Kind::Ping.wire());
-    out.put_u8(super::frame::ACK);
-    out.put_u32(0);
+    put_head(
+        &mut out,
+        PAYLOAD,
+        Kind::Ping,
+        super::frame::ACK,
+        StreamId::ZERO,
+    );
     out.put_slice(payload);
     out.freeze()
 }

@@ -78,6 +78,9 @@ pub(super) struct Pump {
     /// before they are decoded: see [`Pump::settle`].
     deferred: Vec<(usize, usize)>,
     preface: bool,
+    /// The reader hung up (or, for containerd's direction, is lost: see
+    /// `Conn::lose`). The client direction's is the one record of the
+    /// client closing its side.
     pub(super) eof: bool,
     done: bool,
 }
@@ -210,7 +213,7 @@ impl Pump {
             if self.from == Side::Containerd
                 && head.kind == Kind::Headers
                 && head.has(frame::END_HEADERS)
-                && head.stream != 0
+                && !head.stream.is_zero()
                 && st.passes(head.stream)
             {
                 self.push_buf(self.scan, self.scan + total);
@@ -369,7 +372,10 @@ impl Pump {
     }
 
     /// Runs this direction as far as it can; `Ok(true)` once it is finished
-    /// (the reader hung up and everything was written).
+    /// (the reader hung up and everything was written). `client_gone`: the
+    /// client closed its side (the client direction's `eof`, the one record
+    /// of it), which makes containerd's end of stream the normal end rather
+    /// than a loss.
     pub(super) fn poll(
         &mut self,
         cx: &mut Context<'_>,
@@ -377,6 +383,7 @@ impl Pump {
         dst: &mut Sock,
         other: &mut VecDeque<Bytes>,
         st: &mut State,
+        client_gone: bool,
     ) -> Result<bool, SpliceError> {
         if self.done {
             return Ok(true);
@@ -387,7 +394,7 @@ impl Pump {
             } else if self.skip == 0 && self.block.is_none() {
                 self.segs.extend(self.inject.drain(..).map(Seg::Own));
             }
-            if st.lost && self.from == Side::Client {
+            if st.phase.is_lost() && self.from == Side::Client {
                 // containerd is gone: the client's frames go nowhere.
                 self.segs.clear();
                 self.inject.clear();
@@ -404,7 +411,7 @@ impl Pump {
                         if self.eof || self.end == self.buf.len() {
                             return Ok(false);
                         }
-                        match self.fill(cx, src, st)? {
+                        match self.fill(cx, src)? {
                             Poll::Pending => return Ok(false),
                             Poll::Ready(()) => continue,
                         }
@@ -417,8 +424,8 @@ impl Pump {
                 }
             }
             if self.eof {
-                if self.from == Side::Containerd && !st.client_gone {
-                    if !st.lost {
+                if self.from == Side::Containerd && !client_gone {
+                    if !st.phase.is_lost() {
                         return Err(SpliceError::Read(
                             Side::Containerd,
                             io::ErrorKind::UnexpectedEof.into(),
@@ -439,7 +446,7 @@ impl Pump {
                 "deferred frames outlive their write"
             );
             self.make_room();
-            if self.fill(cx, src, st)?.is_pending() {
+            if self.fill(cx, src)?.is_pending() {
                 return Ok(false);
             }
         }
@@ -447,12 +454,7 @@ impl Pump {
 
     /// Reads what `src` has into `buf[end..]`; ready with data or its end.
     /// `buf` is not empty (an empty read would look like the end).
-    fn fill(
-        &mut self,
-        cx: &mut Context<'_>,
-        src: &Sock,
-        st: &mut State,
-    ) -> Result<Poll<()>, SpliceError> {
+    fn fill(&mut self, cx: &mut Context<'_>, src: &Sock) -> Result<Poll<()>, SpliceError> {
         debug_assert!(self.end < self.buf.len(), "no room to read into");
         match src.poll_read(cx, &mut self.buf[self.end..]) {
             Poll::Pending => {
@@ -462,7 +464,6 @@ impl Pump {
             Poll::Ready(Err(e)) => return Err(SpliceError::Read(self.from, e)),
             Poll::Ready(Ok(0)) => {
                 self.eof = true;
-                st.client_gone |= self.from == Side::Client;
                 self.release_buf();
             }
             Poll::Ready(Ok(n)) => self.end += n,

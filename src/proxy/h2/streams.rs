@@ -18,6 +18,7 @@ use super::held::{Effect, Held};
 use super::hooks::{Hooks, Outcome};
 use super::hpack;
 use super::open_ended::{open_ended, RESTARTING};
+use super::phase::Phase;
 use super::ping::Pings;
 use super::reply::{error_reply, error_trailers};
 use super::side::{Out, Side};
@@ -36,10 +37,10 @@ pub(super) struct State {
     pub(super) last_stream: StreamId,
     /// Set once GOAWAY was sent: streams above it are refused.
     pub(super) goaway: Option<StreamId>,
-    /// containerd went away; new calls are answered UNAVAILABLE.
-    pub(super) lost: bool,
-    /// The client closed its side: containerd's EOF is the normal end.
-    pub(super) client_gone: bool,
+    /// Where the connection is in its life: the one record of it, here
+    /// because both directions and the calls act on it (a lost containerd
+    /// answers new calls UNAVAILABLE).
+    pub(super) phase: Phase,
     /// Calls answered in this round, reported to the observer once the
     /// round's writes are done.
     pub(super) ended: Vec<CallGuard>,
@@ -59,8 +60,7 @@ impl State {
             hooks: Hooks::default(),
             last_stream: StreamId::ZERO,
             goaway: None,
-            lost: false,
-            client_gone: false,
+            phase: Phase::Open,
             ended: Vec::new(),
             opening: Vec::new(),
             pings: Pings::default(),
@@ -170,7 +170,7 @@ impl State {
                 }
                 Ok(v)
             }
-            Kind::Settings if head.stream == 0 => {
+            Kind::Settings if head.stream.is_zero() => {
                 self.headers.settings(from, head, payload)?;
                 Ok(Verdict::Forward)
             }
@@ -189,7 +189,7 @@ impl State {
         out: Out<'_>,
     ) -> Result<Verdict, SpliceError> {
         if head.kind == Kind::Headers {
-            if head.stream == 0 {
+            if head.stream.is_zero() {
                 return Err(malformed(from, "HEADERS on stream 0"));
             }
             let r = frame::content(head, payload).map_err(|e| malformed(from, e))?;
@@ -331,7 +331,7 @@ impl State {
             return Ok(()); // a closed stream: containerd answers that
         }
         self.last_stream = stream;
-        if self.lost {
+        if self.phase.is_lost() {
             let msg = format!(
                 "imgbridge: containerd at {} closed the connection",
                 self.ctx.upstream.display()
@@ -749,12 +749,20 @@ mod tests {
                     "{f:?}"
                 );
             }
-            order.push((h.stream.get(), h.kind));
+            order.push((h.stream, h.kind));
         }
         let h = (Kind::Headers, Kind::Data);
+        let (one, three) = (StreamId::new(1), StreamId::new(3));
         assert_eq!(
             order,
-            [(3, h.0), (3, h.1), (3, h.0), (1, h.0), (1, h.1), (1, h.0)]
+            [
+                (three, h.0),
+                (three, h.1),
+                (three, h.0),
+                (one, h.0),
+                (one, h.1),
+                (one, h.0)
+            ]
         );
     }
 
@@ -813,7 +821,7 @@ mod tests {
         let mut kinds = Vec::new();
         for _ in 0..3 {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream.get(), 3);
+            assert_eq!(h.stream, StreamId::new(3));
             if h.kind == Kind::Headers {
                 let f = dec.decode(&p).unwrap();
                 assert!(
@@ -850,14 +858,14 @@ mod tests {
             (9, indexed.to_vec()),
         ];
         let (mut up, mut down) = (VecDeque::new(), VecDeque::new());
-        for (stream, b) in &blocks {
+        for (n, b) in &blocks {
             let out = Out {
                 up: &mut up,
                 down: &mut down,
             };
-            st.request_headers(StreamId::new(*stream), false, b, out)
-                .unwrap();
-            if *stream == 5 {
+            let stream = StreamId::new(*n);
+            st.request_headers(stream, false, b, out).unwrap();
+            if stream == StreamId::new(5) {
                 let seen = st
                     .headers
                     .request_seen
@@ -865,13 +873,14 @@ mod tests {
                 assert_eq!(seen.map(|(p, _)| &**p), Some("/t.S/Plain"), "reused");
             }
         }
-        let held: Vec<u32> = (1..=9)
-            .filter(|s| (st.calls.get(&StreamId::new(*s))).is_some_and(|c| c.held().is_some()))
+        let held: Vec<StreamId> = (1..=9)
+            .map(StreamId::new)
+            .filter(|s| (st.calls.get(s)).is_some_and(|c| c.held().is_some()))
             .collect();
-        assert_eq!(held, [7, 9]);
-        let mut plain: Vec<u32> = st.opening.iter().map(|(s, _)| s.get()).collect();
+        assert_eq!(held, [7, 9].map(StreamId::new));
+        let mut plain: Vec<StreamId> = st.opening.iter().map(|(s, _)| *s).collect();
         plain.sort();
-        assert_eq!(plain, [1, 3, 5]);
+        assert_eq!(plain, [1, 3, 5].map(StreamId::new));
     }
 
     /// Empty CONTINUATION frames add no bytes to a header block, so only

@@ -926,13 +926,13 @@ mod tests {
         let mut first = Vec::new();
         loop {
             let (h, p) = read_frame(&mut client).await;
-            if h.stream.get() == 3 {
+            if h.stream == StreamId::new(3) {
                 if h.has(frame::END_STREAM) {
                     break;
                 }
                 continue;
             }
-            assert_eq!(h.stream.get(), 1);
+            assert_eq!(h.stream, StreamId::new(1));
             assert!(!h.has(frame::END_STREAM), "the end is held too");
             if h.kind == Kind::Data {
                 first.extend(p);
@@ -950,7 +950,7 @@ mod tests {
         let mut rest = Vec::new();
         let status = loop {
             let (h, p) = read_frame(&mut client).await;
-            assert_eq!(h.stream.get(), 1);
+            assert_eq!(h.stream, StreamId::new(1));
             match h.kind {
                 Kind::Data => rest.extend(p),
                 Kind::Headers if h.has(frame::END_STREAM) => break fields(&p),

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use tempfile::TempDir;
 use crate::ctr::snapshotter;
 use crate::daemon::{Daemon, NotReady};
 use crate::flavor::{fetched, flavor};
-use crate::repo::script;
+use crate::repo::{repo_root, script};
 use crate::util::{
     output_with_timeout, poll, run_ok, tempdir, unique_name, POD_TIMEOUT, TOOL_TIMEOUT,
 };
@@ -86,26 +86,22 @@ fn peer_quietly(name: &str) -> Option<&'static Peer> {
     Some(*m.entry(name.to_string()).or_insert(p))
 }
 
-/// The `go` command, found as `scripts/lib/gobuild.sh`'s `gobuild_find_go`
-/// finds the one the peers are built with (PATH, then `/usr/local/go/bin`):
-/// ko runs it to build what it packs, so a ko test needs it at run time too.
-/// `None` (and says so) when there is none.
+/// The `go` command the peers are built with: ko runs it to build what it
+/// packs, so a ko test needs it at run time too. Asked of
+/// `scripts/lib/gobuild.sh`'s `gobuild_find_go`, the one place that says
+/// where go is looked for. `None` (and says so) when there is none.
 pub fn go_command() -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let runnable = |g: &Path| {
-        fs::metadata(g).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|d| d.join("go"))
-            .find(|g| runnable(g))
-    });
-    let go = on_path.or_else(|| {
-        let g = PathBuf::from("/usr/local/go/bin/go");
-        runnable(&g).then_some(g)
-    });
+    let out = Command::new("bash")
+        .args(["-c", r#"source "$1" && gobuild_find_go"#, "go_command"])
+        .arg(repo_root().join("scripts/lib/gobuild.sh"))
+        .env("repo_root", repo_root())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("bash: {e}"));
+    let found = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let go = (out.status.success() && !found.is_empty()).then(|| PathBuf::from(found));
     if go.is_none() {
-        eprintln!("skipped: needs go (not on PATH nor in /usr/local/go/bin)");
+        eprintln!("skipped: needs go (scripts/lib/gobuild.sh's gobuild_find_go found none)");
     }
     go
 }
@@ -495,5 +491,23 @@ impl Nerdctl {
 
     pub fn ok(&self, args: &[&str]) -> String {
         ok(&format!("nerdctl {args:?}"), self.run(args))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `gobuild_find_go` prints is a `go` that runs (not, say, a path
+    /// with the shell's newline still on it).
+    #[test]
+    fn go_command_is_a_go_that_runs() {
+        let Some(go) = go_command() else { return };
+        let out = Command::new(&go)
+            .arg("version")
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", go.display()));
+        assert!(out.status.success(), "{}: {out:?}", go.display());
+        assert!(out.stdout.starts_with(b"go version"), "{out:?}");
     }
 }

@@ -16,7 +16,7 @@ pub enum PullPath {
     /// setting that forces it): `config_path` is a `:`-separated list.
     Local(String),
     /// 2.1+'s default: the Transfer service, which takes `config_path` as
-    /// one directory (containerd issue 12415).
+    /// one directory (<https://github.com/containerd/containerd/issues/12415>).
     Transfer,
     /// 2.1+ without a readable config file.
     Unknown,
