@@ -83,6 +83,10 @@ pub mod media_type {
     pub const DOCKER_LAYER: &str = "application/vnd.docker.image.rootfs.diff.tar";
     pub const DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
     pub const DOCKER_LAYER_ZSTD: &str = "application/vnd.docker.image.rootfs.diff.tar.zstd";
+    /// `oci-spec`'s `MediaType::ImageManifest` and `ImageIndex`, as
+    /// constants (for patterns and `format!`).
+    pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+    pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 
     use super::MediaType;
 
@@ -157,6 +161,8 @@ mod tests {
         }
         assert_eq!(format!("{DOCKER_LAYER}.gzip"), DOCKER_LAYER_GZIP);
         assert_eq!(format!("{DOCKER_LAYER}.zstd"), DOCKER_LAYER_ZSTD);
+        assert_eq!(OCI_MANIFEST, MediaType::ImageManifest.as_ref());
+        assert_eq!(OCI_INDEX, MediaType::ImageIndex.as_ref());
         assert!(is_index("application/vnd.oci.image.index.v1+json"));
         assert!(is_manifest("application/vnd.oci.image.manifest.v1+json"));
         assert!(!is_manifest(DOCKER_CONFIG) && !is_index(DOCKER_MANIFEST));

@@ -8,8 +8,8 @@ use serde::Deserialize;
 
 use super::blobs::{push_retained, sha256_hex, Kind, Walker};
 use super::{
-    Descriptor, PlannedImage, Resolved, SmallBlob, GC_REF, MT_DOCKER_CONFIG, MT_DOCKER_LAYER,
-    MT_DOCKER_LAYER_GZIP, MT_DOCKER_LAYER_ZSTD, MT_DOCKER_MANIFEST,
+    Descriptor, PlannedImage, Resolved, SmallBlob, DOCKER_CONFIG, DOCKER_LAYER, DOCKER_LAYER_GZIP,
+    DOCKER_LAYER_ZSTD, DOCKER_MANIFEST, GC_REF_CONTENT,
 };
 use crate::oci::reference;
 
@@ -58,13 +58,13 @@ impl Walker<'_> {
         };
         let cfg_blob = &self.blobs[cfg];
         let config = Descriptor {
-            media_type: MT_DOCKER_CONFIG.into(),
+            media_type: DOCKER_CONFIG.into(),
             digest: cfg.clone(),
             size: cfg_blob.size as i64,
         };
         push_retained(&mut blobs, &config, cfg_blob, BTreeMap::new());
         let mut labels = BTreeMap::new();
-        labels.insert(format!("{GC_REF}.config"), cfg.clone());
+        labels.insert(format!("{GC_REF_CONTENT}.config"), cfg.clone());
         let mut layers = Vec::new();
         for (li, l) in e.layers.iter().enumerate() {
             let Some(d) = self.lookup(l) else {
@@ -74,9 +74,9 @@ impl Walker<'_> {
             };
             let b = &self.blobs[d];
             let media_type = match b.kind {
-                Kind::Gzip => MT_DOCKER_LAYER_GZIP,
-                Kind::Zstd => MT_DOCKER_LAYER_ZSTD,
-                _ => MT_DOCKER_LAYER,
+                Kind::Gzip => DOCKER_LAYER_GZIP,
+                Kind::Zstd => DOCKER_LAYER_ZSTD,
+                _ => DOCKER_LAYER,
             };
             let desc = Descriptor {
                 media_type: media_type.into(),
@@ -84,7 +84,7 @@ impl Walker<'_> {
                 size: b.size as i64,
             };
             push_retained(&mut blobs, &desc, b, BTreeMap::new());
-            labels.insert(format!("{GC_REF}.l.{li}"), d.clone());
+            labels.insert(format!("{GC_REF_CONTENT}.l.{li}"), d.clone());
             layers.push(desc);
         }
         let manifest = manifest_blob(&config, &layers, labels);
@@ -102,14 +102,14 @@ fn manifest_blob(
 ) -> SmallBlob {
     let manifest = serde_json::json!({
         "schemaVersion": 2,
-        "mediaType": MT_DOCKER_MANIFEST,
+        "mediaType": DOCKER_MANIFEST,
         "config": desc_json(config),
         "layers": layers.iter().map(desc_json).collect::<Vec<_>>(),
     });
     let bytes = serde_json::to_vec(&manifest).unwrap_or_default();
     SmallBlob {
         desc: Descriptor {
-            media_type: MT_DOCKER_MANIFEST.into(),
+            media_type: DOCKER_MANIFEST.into(),
             digest: sha256_hex(&bytes),
             size: bytes.len() as i64,
         },
@@ -169,7 +169,7 @@ mod tests {
             assert_eq!(plan.images.len(), 1);
             let img = &plan.images[0];
             assert_eq!(img.names, ["docker.io/library/app:dev", "reg:5000/x/y:1"]);
-            assert_eq!(img.target.media_type, MT_DOCKER_MANIFEST);
+            assert_eq!(img.target.media_type, DOCKER_MANIFEST);
             // Both layers went to the sink, verified by content.
             let blobs = sink.blobs.borrow();
             assert!(blobs.contains_key(&sha256_hex(&layer(1))));
@@ -178,13 +178,19 @@ mod tests {
             assert_eq!(m.desc, img.target);
             assert_eq!(sha256_hex(&m.data), img.target.digest);
             let v: serde_json::Value = serde_json::from_slice(&m.data).unwrap();
-            assert_eq!(v["config"]["mediaType"], MT_DOCKER_CONFIG);
-            assert_eq!(v["layers"][0]["mediaType"], MT_DOCKER_LAYER);
-            assert_eq!(v["layers"][1]["mediaType"], MT_DOCKER_LAYER_GZIP);
-            assert_eq!(m.labels[&format!("{GC_REF}.config")], sha256_hex(CONFIG));
-            assert_eq!(m.labels[&format!("{GC_REF}.l.0")], sha256_hex(&layer(1)));
+            assert_eq!(v["config"]["mediaType"], DOCKER_CONFIG);
+            assert_eq!(v["layers"][0]["mediaType"], DOCKER_LAYER);
+            assert_eq!(v["layers"][1]["mediaType"], DOCKER_LAYER_GZIP);
             assert_eq!(
-                m.labels[&format!("{GC_REF}.l.1")],
+                m.labels[&format!("{GC_REF_CONTENT}.config")],
+                sha256_hex(CONFIG)
+            );
+            assert_eq!(
+                m.labels[&format!("{GC_REF_CONTENT}.l.0")],
+                sha256_hex(&layer(1))
+            );
+            assert_eq!(
+                m.labels[&format!("{GC_REF_CONTENT}.l.1")],
                 sha256_hex(&gz(&layer(2)))
             );
             // The config was small JSON: kept and written from the plan.

@@ -56,17 +56,12 @@ const RATIO_FLOOR: u64 = 64 << 20;
 /// Symlink hops followed when resolving a docker-archive path.
 const MAX_LINK_HOPS: usize = 16;
 
-pub const MT_DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
-pub const MT_DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
-pub const MT_DOCKER_CONFIG: &str = "application/vnd.docker.container.image.v1+json";
-pub const MT_DOCKER_LAYER: &str = "application/vnd.docker.image.rootfs.diff.tar";
-pub const MT_DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
-pub const MT_DOCKER_LAYER_ZSTD: &str = "application/vnd.docker.image.rootfs.diff.tar.zstd";
-pub const MT_OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-pub const MT_OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
-
-/// GC reference label prefix: children of a blob stay alive only through it.
-pub const GC_REF: &str = "containerd.io/gc.ref.content";
+use crate::labels::media_type::{
+    DOCKER_CONFIG, DOCKER_LAYER, DOCKER_LAYER_GZIP, DOCKER_LAYER_ZSTD, DOCKER_MANIFEST,
+};
+#[cfg(test)]
+use crate::labels::media_type::{OCI_INDEX, OCI_MANIFEST};
+use crate::labels::GC_REF_CONTENT;
 const ANN_CONTAINERD_NAME: &str = "io.containerd.image.name";
 const ANN_OCI_REF_NAME: &str = "org.opencontainers.image.ref.name";
 

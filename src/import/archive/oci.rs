@@ -260,18 +260,24 @@ mod tests {
         let img = &plan.images[0];
         assert_eq!(img.names, ["docker.io/foo/bar:latest"]);
         assert_eq!(img.target.digest, sha256_hex(&idx));
-        assert_eq!(img.target.media_type, MT_OCI_INDEX);
+        assert_eq!(img.target.media_type, OCI_INDEX);
         let top = img.blobs.last().unwrap();
         // Only the present platform (index position 1) is referenced.
         assert_eq!(top.labels.len(), 1);
-        assert_eq!(top.labels[&format!("{GC_REF}.m.1")], sha256_hex(&amd));
+        assert_eq!(
+            top.labels[&format!("{GC_REF_CONTENT}.m.1")],
+            sha256_hex(&amd)
+        );
         let m = img
             .blobs
             .iter()
             .find(|b| b.desc.digest == sha256_hex(&amd))
             .unwrap();
-        assert_eq!(m.labels[&format!("{GC_REF}.config")], sha256_hex(CONFIG));
-        assert!(m.labels.contains_key(&format!("{GC_REF}.l.0")));
+        assert_eq!(
+            m.labels[&format!("{GC_REF_CONTENT}.config")],
+            sha256_hex(CONFIG)
+        );
+        assert!(m.labels.contains_key(&format!("{GC_REF_CONTENT}.l.0")));
         // Children come before parents.
         let pos = |d: &str| img.blobs.iter().position(|b| b.desc.digest == d).unwrap();
         assert!(pos(&sha256_hex(CONFIG)) < pos(&sha256_hex(&amd)));
@@ -297,7 +303,7 @@ mod tests {
         let top = format!(
             r#"{{"manifests":[{}]}}"#,
             desc(
-                MT_OCI_MANIFEST,
+                OCI_MANIFEST,
                 &m,
                 r#","annotations":{"io.containerd.image.name":"x:1"}"#
             )

@@ -108,7 +108,7 @@ pub(crate) fn manifest(layers: &[&[u8]]) -> Vec<u8> {
         .map(|l| desc("application/vnd.oci.image.layer.v1.tar+gzip", l, ""))
         .collect();
     format!(
-        r#"{{"schemaVersion":2,"mediaType":"{MT_OCI_MANIFEST}","config":{},"layers":[{}]}}"#,
+        r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{},"layers":[{}]}}"#,
         desc("application/vnd.oci.image.config.v1+json", CONFIG, ""),
         ls.join(",")
     )
@@ -125,14 +125,14 @@ pub(crate) fn oci_multi(name_ann: &str) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     let amd = manifest(&[&l]);
     let arm = manifest(&[&gz(&layer(4))]);
     let idx = format!(
-        r#"{{"schemaVersion":2,"mediaType":"{MT_OCI_INDEX}","manifests":[{},{}]}}"#,
+        r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{},{}]}}"#,
         desc(
-            MT_OCI_MANIFEST,
+            OCI_MANIFEST,
             &arm,
             r#","platform":{"os":"linux","architecture":"arm64"}"#
         ),
         desc(
-            MT_OCI_MANIFEST,
+            OCI_MANIFEST,
             &amd,
             r#","platform":{"os":"linux","architecture":"amd64"}"#
         ),
@@ -141,7 +141,7 @@ pub(crate) fn oci_multi(name_ann: &str) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
     let top = format!(
         r#"{{"schemaVersion":2,"manifests":[{}]}}"#,
         desc(
-            MT_OCI_INDEX,
+            OCI_INDEX,
             &idx,
             &format!(r#","annotations":{{{name_ann}}}"#)
         )
