@@ -123,6 +123,18 @@ if [[ -n "$bin" ]]; then
 fi
 ok "every option: ServiceMonitor, dashboard, import dirs, group file, extra config keys${bin:+ (config loads)}"
 
+# The drain: the grace period less 5 s unless config.drain_timeout is set
+# (an upgrade's old pod lets a build's write in flight finish).
+out="$(render)"
+obj ConfigMap "$out" | jq -r '.data["config.toml"] // empty' | grep -qxF 'drain_timeout = "55s"' ||
+    fail "default: config.toml lacks drain_timeout = \"55s\""
+[[ "$(obj DaemonSet "$out" | jq -r '.spec.template.spec.terminationGracePeriodSeconds')" == 60 ]] ||
+    fail "default: terminationGracePeriodSeconds is not 60"
+out="$(render --set terminationGracePeriodSeconds=3)"
+obj ConfigMap "$out" | jq -r '.data["config.toml"] // empty' | grep -qxF 'drain_timeout = "1s"' ||
+    fail "grace 3 s: drain_timeout is not 1s"
+ok "drain_timeout follows terminationGracePeriodSeconds (55s of 60 s; a config.drain_timeout wins)"
+
 # The registry endpoint: [registry] on the node's loopback, the KEP-1755
 # ConfigMap, and a clear error without hostNetwork.
 reg=(--set registry.enabled=true --set registry.port=5123 --set hostNetwork=true)

@@ -117,6 +117,11 @@ them are the same in both); import.dirs as an array of inline tables.
 {{- $_ := set $c "socket_group" (toString .Values.socket.group) -}}
 {{- /* The surge pod takes the socket over from the old one (docs/daemonset.md). */ -}}
 {{- $_ := set $c "socket_handover" true -}}
+{{- /* The old pod drains while the new one serves: let a write in flight
+     (a build's layer) finish, up to the grace period less 5 s. */ -}}
+{{- if not (hasKey $c "drain_timeout") -}}
+{{- $_ := set $c "drain_timeout" (printf "%ds" (max 1 (sub (int .Values.terminationGracePeriodSeconds) 5))) -}}
+{{- end -}}
 {{- $r := get $c "replication" | default dict -}}
 {{- $_ := set $r "source_namespaces" .Values.replication.sourceNamespaces -}}
 {{- $_ := set $r "target_namespaces" .Values.replication.targetNamespaces -}}
