@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# imgbridge against direct containerd and against the floor (a minimal tokio
-# byte relay, examples/floor_relay.rs), all in one run.
+# imgbridge against direct containerd and against two floors, all in one run:
+# "floor", a minimal tokio byte relay (examples/floor_relay.rs, every byte
+# copied through a user-space buffer), and "splice", a splice(2) byte relay
+# (examples/splice_relay.rs, socket -> pipe -> socket, no user-space copy).
+# Neither parses HTTP/2: each does strictly less than any correct proxy.
 #
 # Starts a throwaway containerd (temp root/state/sockets, CRI disabled), the
-# floor relay and `imgbridge serve` in front of it, then measures:
+# two floor relays and `imgbridge serve` in front of it, then measures:
 #   unary   BENCH_CALLS sequential Version calls per socket, interleaved across
 #           the sockets in blocks of BENCH_BLOCK calls (p50/p90/p99 per call).
 #           Not one by one: a relay's work after its reply (bookkeeping, a tokio
@@ -27,7 +30,7 @@
 #       when it has room for four times BENCH_SIZE_MB, else /tmp. On disk, the
 #       write figure measured the disk's writeback (the same target ranged
 #       from 129 to 211 MB/s within one run), not the hop.
-#   BENCH_BASELINE=/path/to/another/imgbridge  (adds it as a 4th target: A/B
+#   BENCH_BASELINE=/path/to/another/imgbridge  (adds it as a 5th target: A/B
 #                  a change against the previous build in the same run)
 #   BENCH_RUST_LOG=info (imgbridge's log filter) CONTAINERD=containerd
 #   BENCH_PUSH=1   runs the unary rounds under a push load: imgbridge serves its
@@ -60,7 +63,7 @@ target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null |
     sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 rel=${target_dir:-target}/release
 client=$rel/examples/bench_client
-for b in "$rel/imgbridge" "$rel/examples/floor_relay" "$client"; do
+for b in "$rel/imgbridge" "$rel/examples/floor_relay" "$rel/examples/splice_relay" "$client"; do
     [[ -x $b ]] || { echo "missing $b (build failed?)" >&2; exit 1; }
 done
 command -v "$CONTAINERD" >/dev/null || { echo "containerd not found (apt-get install containerd)" >&2; exit 1; }
@@ -103,11 +106,14 @@ wait_up() { # socket
 }
 wait_up "$cd_sock"
 
-names=(direct floor imgbridge)
-socks=("$cd_sock" "$tmp/floor.sock" "$tmp/imgbridge.sock")
+names=(direct floor splice imgbridge)
+socks=("$cd_sock" "$tmp/floor.sock" "$tmp/splice.sock" "$tmp/imgbridge.sock")
 "$rel/examples/floor_relay" "$tmp/floor.sock" "$cd_sock" 2>"$tmp/floor.log" &
 pids+=($!)
 floor_pid=$!
+"$rel/examples/splice_relay" "$tmp/splice.sock" "$cd_sock" 2>"$tmp/splice.log" &
+pids+=($!)
+splice_pid=$!
 : >"$tmp/imgbridge.toml"
 if [[ -n ${BENCH_PUSH:-} ]]; then
     command -v curl >/dev/null || { echo "BENCH_PUSH needs curl" >&2; exit 1; }
@@ -122,7 +128,7 @@ start_imgbridge() { # binary socket logfile
 }
 start_imgbridge "$rel/imgbridge" "$tmp/imgbridge.sock" "$tmp/imgbridge.log"
 ib_pid=$!
-procs=("" "$floor_pid" "$ib_pid") # whose CPU time a target costs (direct: none)
+procs=("" "$floor_pid" "$splice_pid" "$ib_pid") # whose CPU time a target costs (direct: none)
 if [[ -n ${BENCH_BASELINE:-} ]]; then
     start_imgbridge "$BENCH_BASELINE" "$tmp/baseline.sock" "$tmp/baseline.log"
     base_pid=$!
@@ -238,6 +244,7 @@ stream_test readN "$(awk -v g="$gib" -v n="$READERS" 'BEGIN {print g * n}')" \
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 rss_ib=$(hwm_kib $ib_pid)
 rss_floor=$(hwm_kib $floor_pid)
+rss_splice=$(hwm_kib $splice_pid)
 rss_base=
 if [[ -n ${base_pid:-} ]]; then rss_base=$(hwm_kib "$base_pid"); fi
 
@@ -262,7 +269,8 @@ echo
 echo "imgbridge benchmark: $ROUNDS round(s), $CALLS unary calls per target, ${SIZE_MB} MiB streams, $READERS readers"
 echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'), $(nproc) CPUs, $(date -u +%FT%TZ), containerd root in $BENCH_DIR"
 cols=("${names[@]}")
-printf '%-22s' metric; printf '%11s' "${cols[@]}"; printf '%12s%12s  %s\n' "ib/floor" "ib/direct" target
+printf '%-22s' metric; printf '%11s' "${cols[@]}"; printf '%12s%12s%12s%12s  %s\n' "ib/floor" "ib/direct" \
+    "floor/dir" "splice/dir" target
 row() { # label test ratio-kind target-text
     local label=$1 test=$2 kind=$3 goal=$4 g
     printf '%-22s' "$label"
@@ -273,6 +281,8 @@ row() { # label test ratio-kind target-text
         tput) printf '%12s%12s' "$(printf '%.3f' "$(paired "$test" imgbridge floor ratio)")" \
             "$(printf '%.3f' "$(paired "$test" imgbridge direct ratio)")" ;;
     esac
+    # both floors against direct (plain per-round ratios)
+    for g in floor splice; do printf '%12s' "$(printf '%.3f' "$(paired "$test" "$g" direct ratio)")"; done
     printf '  %s\n' "$goal"
 }
 row "unary p50 (us)" unary_p50 lat "overhead ratio <= 1.2"
@@ -295,8 +305,8 @@ cpu_row "  us per unary call" unary_cpu
 cpu_row "  ms per GiB write" write_cpu
 cpu_row "  ms per GiB read" read_cpu
 cpu_row "  ms per GiB ${READERS}x read" readN_cpu
-printf '%-22s%11s%11.1f%11.1f' "peak RSS (MiB)" "-" "$(awk -v k="$rss_floor" 'BEGIN{print k/1024}')" \
-    "$(awk -v k="$rss_ib" 'BEGIN{print k/1024}')"
+printf '%-22s%11s%11.1f%11.1f%11.1f' "peak RSS (MiB)" "-" "$(awk -v k="$rss_floor" 'BEGIN{print k/1024}')" \
+    "$(awk -v k="$rss_splice" 'BEGIN{print k/1024}')" "$(awk -v k="$rss_ib" 'BEGIN{print k/1024}')"
 if [[ -n $rss_base ]]; then printf '%11.1f' "$(awk -v k="$rss_base" 'BEGIN{print k/1024}')"; fi
 printf '%24s  %s\n' "" "imgbridge <= 32 MiB"
 if [[ -n ${BENCH_BASELINE:-} ]]; then
