@@ -22,27 +22,53 @@
 # peak RSS after the endpoint runs (VmHWM), and after a push of a small image
 # on a fresh imgbridge, to show it does not grow with the image size.
 #
+# MODE=blob measures ONE blob's write instead, on one containerd (with CRI)
+# and one imgbridge (two with IMGBRIDGE_BASE, e.g. the build before a
+# change): $LAYER_MIB MiB of random bytes each time (the same bytes, their
+# first 16 changed per write so that every write is of a blob containerd
+# does not have: one it has would be shared, not written), timed until the
+# client returns (the 201 for HTTP), $ROUNDS rounds (default 9) after one
+# warm-up round, the order of the variants rotating and reversing every
+# round:
+#
+#   ctr         ctr -n buildkit content ingest --expected-size/-digest (the
+#               floor: containerd's Go client, 1 MiB per WRITE)
+#   put         curl: POST /v2/bench/blobs/uploads/, then PUT <location>
+#               ?digest= with the whole body (Content-Length): monolithic
+#   patch       curl: POST, one PATCH with the whole body (chunked, as crane
+#               and skopeo stream a layer), then PUT ?digest= with no body
+#   put@base, patch@base   the same against $IMGBRIDGE_BASE
+#
+# It prints each variant's median (min-max) and the median of its per-round
+# ratios to ctr. Needs containerd, ctr, curl, sha256sum, python3 only.
+#
 # Needs: containerd + ctr (PATH, or CONTAINERD_BIN=<bin dir>), skopeo,
 # docker-registry, sha256sum, python3, curl, crictl (PATH, or built with
 # scripts/peers.sh fetch crictl). No farm, no network.
 # Usage: scripts/bench-push.sh   (env: IMGBRIDGE, WORK, ROUNDS, LAYERS,
 #        LAYER_MIB, CONTAINERD_BIN, KEEP=1 to keep $WORK)
+#        MODE=blob scripts/bench-push.sh   (env: IMGBRIDGE, IMGBRIDGE_BASE,
+#        WORK, ROUNDS, LAYER_MIB, CONTAINERD_BIN, KEEP, VARIANTS to pick
+#        some, e.g. "ctr put patch")
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 IMGBRIDGE=${IMGBRIDGE:-$root/target/release/imgbridge}
 WORK=${WORK:-$(mktemp -d /tmp/imgbridge-bench-push.XXXXXX)}
-ROUNDS=${ROUNDS:-3}
+MODE=${MODE:-push}
+if [ "$MODE" = blob ]; then ROUNDS=${ROUNDS:-9}; else ROUNDS=${ROUNDS:-3}; fi
 LAYERS=${LAYERS:-10}
 LAYER_MIB=${LAYER_MIB:-50}
 [ -n "${CONTAINERD_BIN:-}" ] && export PATH="$CONTAINERD_BIN:$PATH"
 
 [ -x "$IMGBRIDGE" ] || { echo "build imgbridge first: cargo build --release ($IMGBRIDGE)" >&2; exit 2; }
-for t in containerd ctr skopeo docker-registry sha256sum python3 curl; do
+needs="containerd ctr sha256sum python3 curl"
+[ "$MODE" = blob ] || needs="$needs skopeo docker-registry"
+for t in $needs; do
     command -v "$t" > /dev/null || { echo "$t is needed" >&2; exit 2; }
 done
 CRICTL=${CRICTL:-$(command -v crictl || true)}
-if [ -z "$CRICTL" ]; then
+if [ -z "$CRICTL" ] && [ "$MODE" != blob ]; then
     CRICTL="$("$root/scripts/peers.sh" fetch crictl | awk '{ print $3 }')/crictl"
 fi
 mkdir -p "$WORK"
@@ -121,19 +147,24 @@ start_containerd() {
     CTD_PID=$!
     PIDS+=("$CTD_PID")
     SOCK="$d/c.sock"
-    wait_for containerd crictl_ version
+    if [ "$MODE" = blob ]; then
+        wait_for containerd ctr -a "$SOCK" version
+    else
+        wait_for containerd crictl_ version
+    fi
 }
 
 crictl_() { "$CRICTL" --config "$WORK/crictl.yaml" --runtime-endpoint "unix://$SOCK" --image-endpoint "unix://$SOCK" "$@"; }
 resolves() { crictl_ inspecti -o json "$1" > /dev/null 2>&1 || { echo "CRI does not resolve $1" >&2; exit 1; }; }
 
+# start_imgbridge [BINARY [DIR]]: sets IB_PORT and IB_PID.
 start_imgbridge() {
-    local d="$WORK/ib"
+    local bin=${1:-$IMGBRIDGE} d="$WORK/${2:-ib}"
     rm -rf "$d"
     mkdir -p "$d"
     IB_PORT=$(free_port)
     printf '[reconcile]\nenabled = false\n[registry]\nlisten = "127.0.0.1:%s"\n' "$IB_PORT" > "$d/config.toml"
-    RUST_LOG=warn "$IMGBRIDGE" serve --config "$d/config.toml" --listen "$d/ib.sock" --upstream "$SOCK" > "$d/log" 2>&1 &
+    RUST_LOG=warn "$bin" serve --config "$d/config.toml" --listen "$d/ib.sock" --upstream "$SOCK" > "$d/log" 2>&1 &
     IB_PID=$!
     PIDS+=("$IB_PID")
     wait_for imgbridge curl -sf "http://127.0.0.1:$IB_PORT/v2/"
@@ -244,6 +275,125 @@ run_floor() {
     stop "$CTD_PID"
     echo "$(elapsed "$t0" "$t1") $(elapsed "$t1b" "$t2")"
 }
+
+# ---- MODE=blob: one blob's write, ctr content ingest against the endpoint.
+
+# blob_file N: $WORK/blob, the base bytes with their first 16 made N's; sets
+# BLOB_DIGEST and BLOB_SIZE.
+blob_file() {
+    { printf '%016d' "$1"; tail -c +17 "$WORK/base"; } > "$WORK/blob"
+    BLOB_DIGEST="sha256:$(sha256sum "$WORK/blob" | cut -d' ' -f1)"
+    BLOB_SIZE=$(stat -c %s "$WORK/blob")
+}
+
+# upload_start PORT: POSTs an upload session; prints its location.
+upload_start() {
+    curl -sS -o /dev/null -D - -X POST "http://127.0.0.1:$1/v2/bench/blobs/uploads/" |
+        tr -d '\r' | awk 'tolower($1) == "location:" { print $2 }'
+}
+
+# query LOCATION: what joins a query parameter to it.
+query() { case $1 in *\?*) echo '&' ;; *) echo '?' ;; esac; }
+
+# blob_VARIANT PORT: one write of $WORK/blob; fails unless it succeeded.
+blob_ctr() {
+    ctr -a "$SOCK" -n buildkit content ingest --expected-size "$BLOB_SIZE" \
+        --expected-digest "$BLOB_DIGEST" "bench-${BLOB_DIGEST#sha256:}" < "$WORK/blob"
+}
+blob_put() {
+    local loc code
+    loc=$(upload_start "$1")
+    code=$(curl -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Expect:' \
+        -H 'Content-Type: application/octet-stream' -T "$WORK/blob" \
+        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST")
+    [ "$code" = 201 ] || { echo "PUT answered $code" >&2; return 1; }
+}
+blob_patch() {
+    local loc hdr code
+    loc=$(upload_start "$1")
+    hdr=$(curl -sS -o /dev/null -D - -X PATCH -H 'Expect:' -H 'Transfer-Encoding: chunked' \
+        -H 'Content-Type: application/octet-stream' -T - "http://127.0.0.1:$1$loc" < "$WORK/blob" | tr -d '\r')
+    case $(echo "$hdr" | head -1) in *" 202"*) ;; *) echo "PATCH answered: $(echo "$hdr" | head -1)" >&2; return 1 ;; esac
+    loc=$(echo "$hdr" | awk 'tolower($1) == "location:" { print $2 }')
+    code=$(curl -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Content-Length: 0' \
+        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST")
+    [ "$code" = 201 ] || { echo "PUT answered $code" >&2; return 1; }
+}
+
+# cpu_ms PID: CPU time its threads have used so far, in ms.
+cpu_ms() { cat /proc/"$1"/task/*/schedstat 2> /dev/null | awk '{ s += $1 } END { printf "%.0f", s / 1e6 }'; }
+
+run_blob_mode() {
+    local r i n=0 k t0 t1 c0 b0 port pid line turn rev vs
+    read -ra vs <<< "${VARIANTS:-ctr put patch${IMGBRIDGE_BASE:+ put@base patch@base}}"
+    echo "== one ${LAYER_MIB} MiB blob's write, $ROUNDS rounds, in $WORK"
+    head -c "${LAYER_MIB}M" /dev/urandom > "$WORK/base"
+    start_containerd
+    start_imgbridge "$IMGBRIDGE" ib
+    PORT_NEW=$IB_PORT PID_NEW=$IB_PID
+    if [ -n "${IMGBRIDGE_BASE:-}" ]; then
+        start_imgbridge "$IMGBRIDGE_BASE" ib-base
+        PORT_BASE=$IB_PORT PID_BASE=$IB_PID
+    fi
+    echo "   containerd $(containerd --version | awk '{ print $3 }'); imgbridge $IMGBRIDGE${IMGBRIDGE_BASE:+; base $IMGBRIDGE_BASE}"
+    for k in "${vs[@]}"; do : > "$WORK/blob-${k/@/-}.t"; done
+    # Round 0 is a warm-up, not counted.
+    for r in $(seq 0 "$ROUNDS"); do
+        turn=()
+        for i in "${!vs[@]}"; do turn+=("${vs[$(((i + r) % ${#vs[@]}))]}"); done
+        if [ $((r % 2)) = 1 ]; then
+            rev=()
+            for ((i = ${#turn[@]} - 1; i >= 0; i--)); do rev+=("${turn[$i]}"); done
+            turn=("${rev[@]}")
+        fi
+        line=""
+        for k in "${turn[@]}"; do
+            n=$((n + 1))
+            blob_file "$n"
+            sync
+            case $k in *@base) port=$PORT_BASE pid=$PID_BASE ;; *) port=$PORT_NEW pid=$PID_NEW ;; esac
+            c0=$(cpu_ms "$CTD_PID")
+            b0=$(cpu_ms "$pid")
+            t0=$(now)
+            "blob_${k%@base}" "$port" > /dev/null 2> "$WORK/client.err" || { cat "$WORK/client.err" >&2; exit 1; }
+            t1=$(now)
+            t1=$(awk -v a="$t0" -v b="$t1" -v c="$(($(cpu_ms "$CTD_PID") - c0))" -v i="$(($(cpu_ms "$pid") - b0))" \
+                'BEGIN { printf "%.3f %d %d", b - a, c, i }')
+            ctr -a "$SOCK" -n buildkit content ls -q 2> /dev/null | grep -qx "$BLOB_DIGEST" ||
+                { echo "$k: $BLOB_DIGEST not stored" >&2; exit 1; }
+            [ "$r" = 0 ] || echo "$t1" >> "$WORK/blob-${k/@/-}.t"
+            line="$line  $k ${t1%% *}s"
+            ctr -a "$SOCK" -n buildkit content rm "$BLOB_DIGEST" > /dev/null 2>&1
+        done
+        if [ "$r" = 0 ]; then echo "   warm-up:$line"; else echo "   round $r:$line"; fi
+    done
+    echo
+    echo "== results, $ROUNDS rounds: wall s, median (min-max); per-round ratio to ctr, median (min-max);"
+    echo "   CPU ms of containerd and of the imgbridge serving the write (ctr: idle), medians"
+    python3 - "$WORK" "${vs[@]}" << 'EOF'
+import statistics, sys
+work, vs = sys.argv[1], sys.argv[2:]
+rows = {k: [[float(x) for x in l.split()] for l in open(f"{work}/blob-{k.replace('@', '-')}.t")] for k in vs}
+t = {k: [r[0] for r in rows[k]] for k in vs}
+med = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+for k in vs:
+    line = f"   {k:<11} {statistics.median(t[k]):6.3f} s ({min(t[k]):.3f}-{max(t[k]):.3f})"
+    if "ctr" in t and k != "ctr":
+        line += f"   {k}/ctr {med([a / b for a, b in zip(t[k], t['ctr'])])}x"
+    else:
+        line += " " * 30
+    line += f"   CPU containerd {statistics.median(r[1] for r in rows[k]):4.0f}, imgbridge {statistics.median(r[2] for r in rows[k]):4.0f}"
+    print(line)
+for k in vs:
+    if k.endswith("@base") and k[:-5] in t:
+        print(f"   {k[:-5]}/{k}: {med([a / b for a, b in zip(t[k[:-5]], t[k])])}x per round")
+EOF
+}
+
+if [ "$MODE" = blob ]; then
+    run_blob_mode
+    exit 0
+fi
 
 echo "== building a ${LAYERS}x${LAYER_MIB} MiB image and its one-layer rebuild in $WORK"
 mkdir -p "$WORK/a/blobs/sha256" "$WORK/b/blobs/sha256"
