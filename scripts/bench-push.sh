@@ -18,35 +18,41 @@
 # The image: $LAYERS uncompressed layers of $LAYER_MIB MiB random data
 # (about 500 MiB), pushed first whole, then rebuilt with its top layer
 # changed ("rebuild"). Each path runs on a fresh containerd (with CRI) in its
-# own root, $ROUNDS rounds, the order alternating. Also reports imgbridge's
-# peak RSS after the endpoint runs (VmHWM), and after a push of a small image
-# on a fresh imgbridge, to show it does not grow with the image size.
+# own root, $ROUNDS rounds, the order alternating; it reports medians with
+# their spread and the per-round ratios. Also reports imgbridge's peak RSS
+# after the endpoint runs (VmHWM), and after a push of a small image on a
+# fresh imgbridge, to show it does not grow with the image size. With
+# IMGBRIDGE_BASE (e.g. the build before a change) a path "base" runs the
+# endpoint's push on that build too; PATHS picks paths (e.g. PATHS="endpoint
+# base floor").
 #
 # MODE=blob measures ONE blob's write instead, on one containerd (with CRI)
-# and one imgbridge (two with IMGBRIDGE_BASE, e.g. the build before a
-# change): $LAYER_MIB MiB of random bytes each time (the same bytes, their
-# first 16 changed per write so that every write is of a blob containerd
-# does not have: one it has would be shared, not written), timed until the
-# client returns (the 201 for HTTP), $ROUNDS rounds (default 9) after one
-# warm-up round, the order of the variants rotating and reversing every
-# round:
+# and one imgbridge (two with IMGBRIDGE_BASE): $LAYER_MIB MiB of random
+# bytes each time (the same bytes, their first 16 changed per write so that
+# every write is of a blob containerd does not have: one it has would be
+# shared, not written), timed until the client returns (the 201 for HTTP),
+# $ROUNDS rounds (default 9) after one warm-up round, the order of the
+# variants rotating and reversing every round:
 #
 #   ctr         ctr -n buildkit content ingest --expected-size/-digest (the
 #               floor: containerd's Go client, 1 MiB per WRITE)
 #   put         curl: POST /v2/bench/blobs/uploads/, then PUT <location>
 #               ?digest= with the whole body (Content-Length): monolithic
-#   patch       curl: POST, one PATCH with the whole body (chunked, as crane
-#               and skopeo stream a layer), then PUT ?digest= with no body
+#   patch       curl: POST, then one PATCH with the whole body (chunked, as
+#               crane streams a layer) and PUT ?digest= with no body on one
+#               connection
 #   put@base, patch@base   the same against $IMGBRIDGE_BASE
 #
-# It prints each variant's median (min-max) and the median of its per-round
-# ratios to ctr. Needs containerd, ctr, curl, sha256sum, python3 only.
+# It prints each variant's median (min-max), the median of its per-round
+# ratios to ctr, and the CPU time containerd and imgbridge spent on it.
+# Needs containerd, ctr, curl, sha256sum and python3 only.
 #
-# Needs: containerd + ctr (PATH, or CONTAINERD_BIN=<bin dir>), skopeo,
+# The push needs: containerd + ctr (PATH, or CONTAINERD_BIN=<bin dir>), skopeo,
 # docker-registry, sha256sum, python3, curl, crictl (PATH, or built with
 # scripts/peers.sh fetch crictl). No farm, no network.
-# Usage: scripts/bench-push.sh   (env: IMGBRIDGE, WORK, ROUNDS, LAYERS,
-#        LAYER_MIB, CONTAINERD_BIN, KEEP=1 to keep $WORK)
+# Usage: scripts/bench-push.sh   (env: IMGBRIDGE, IMGBRIDGE_BASE, PATHS,
+#        WORK, ROUNDS, LAYERS, LAYER_MIB, CONTAINERD_BIN, KEEP=1 to keep
+#        $WORK)
 #        MODE=blob scripts/bench-push.sh   (env: IMGBRIDGE, IMGBRIDGE_BASE,
 #        WORK, ROUNDS, LAYER_MIB, CONTAINERD_BIN, KEEP, VARIANTS to pick
 #        some, e.g. "ctr put patch")
@@ -206,6 +212,12 @@ run_endpoint() {
     echo "$(elapsed "$t0" "$t1") $(elapsed "$t1b" "$t2") $rss"
 }
 
+# The same with $IMGBRIDGE_BASE (e.g. the build before a change).
+run_base() {
+    local IMGBRIDGE=$IMGBRIDGE_BASE
+    run_endpoint
+}
+
 run_registry() {
     local t0 t1 t1b t2
     start_containerd
@@ -295,7 +307,10 @@ upload_start() {
 # query LOCATION: what joins a query parameter to it.
 query() { case $1 in *\?*) echo '&' ;; *) echo '?' ;; esac; }
 
-# blob_VARIANT PORT: one write of $WORK/blob; fails unless it succeeded.
+# blob_VARIANT PORT: one write of $WORK/blob; fails unless it succeeded
+# (ctr: containerd committed it as the expected digest; HTTP: a 201, which
+# the endpoint answers once containerd did). Not looked up afterwards: a blob
+# ctr wrote holds no lease, and GC may take it at once.
 blob_ctr() {
     ctr -a "$SOCK" -n buildkit content ingest --expected-size "$BLOB_SIZE" \
         --expected-digest "$BLOB_DIGEST" "bench-${BLOB_DIGEST#sha256:}" < "$WORK/blob"
@@ -309,15 +324,15 @@ blob_put() {
     [ "$code" = 201 ] || { echo "PUT answered $code" >&2; return 1; }
 }
 blob_patch() {
-    local loc hdr code
+    local loc codes
     loc=$(upload_start "$1")
-    hdr=$(curl -sS -o /dev/null -D - -X PATCH -H 'Expect:' -H 'Transfer-Encoding: chunked' \
-        -H 'Content-Type: application/octet-stream' -T - "http://127.0.0.1:$1$loc" < "$WORK/blob" | tr -d '\r')
-    case $(echo "$hdr" | head -1) in *" 202"*) ;; *) echo "PATCH answered: $(echo "$hdr" | head -1)" >&2; return 1 ;; esac
-    loc=$(echo "$hdr" | awk 'tolower($1) == "location:" { print $2 }')
-    code=$(curl -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Content-Length: 0' \
-        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST")
-    [ "$code" = 201 ] || { echo "PUT answered $code" >&2; return 1; }
+    # PATCH and PUT on one connection, as a client does (the endpoint's
+    # location does not change with the PATCH; its 202 is checked).
+    codes=$(curl -sS -o /dev/null -w '%{http_code} ' -X PATCH -H 'Expect:' -H 'Transfer-Encoding: chunked' \
+        -H 'Content-Type: application/octet-stream' -T - "http://127.0.0.1:$1$loc" \
+        --next -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Content-Length: 0' \
+        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST" < "$WORK/blob")
+    [ "$codes" = "202 201" ] || { echo "PATCH, PUT answered $codes" >&2; return 1; }
 }
 
 # cpu_ms PID: CPU time its threads have used so far, in ms.
@@ -359,8 +374,6 @@ run_blob_mode() {
             t1=$(now)
             t1=$(awk -v a="$t0" -v b="$t1" -v c="$(($(cpu_ms "$CTD_PID") - c0))" -v i="$(($(cpu_ms "$pid") - b0))" \
                 'BEGIN { printf "%.3f %d %d", b - a, c, i }')
-            ctr -a "$SOCK" -n buildkit content ls -q 2> /dev/null | grep -qx "$BLOB_DIGEST" ||
-                { echo "$k: $BLOB_DIGEST not stored" >&2; exit 1; }
             [ "$r" = 0 ] || echo "$t1" >> "$WORK/blob-${k/@/-}.t"
             line="$line  $k ${t1%% *}s"
             ctr -a "$SOCK" -n buildkit content rm "$BLOB_DIGEST" > /dev/null 2>&1
@@ -405,13 +418,16 @@ changed=$(layer "$WORK/b" "$LAYER_MIB")
 layout "$WORK/b" 2 "${digests[@]:0:$((LAYERS - 1))}" "$changed"
 echo "   $(du -sm "$WORK/a" | cut -f1) MiB; containerd $(containerd --version | awk '{ print $3 }'); imgbridge $IMGBRIDGE"
 
-: > "$WORK/endpoint.t"
-: > "$WORK/registry.t"
-: > "$WORK/import.t"
-: > "$WORK/floor.t"
+# The paths, in the order of odd rounds (even rounds reverse it).
+read -ra paths <<< "${PATHS:-endpoint${IMGBRIDGE_BASE:+ base} registry import floor}"
+for k in "${paths[@]}"; do : > "$WORK/$k.t"; done
 for r in $(seq 1 "$ROUNDS"); do
-    if [ $((r % 2)) = 1 ]; then order="endpoint registry import floor"; else order="floor import registry endpoint"; fi
-    for k in $order; do
+    order=("${paths[@]}")
+    if [ $((r % 2)) = 0 ]; then
+        order=()
+        for ((i = ${#paths[@]} - 1; i >= 0; i--)); do order+=("${paths[$i]}"); done
+    fi
+    for k in "${order[@]}"; do
         res=$("run_$k")
         printf '   round %d %-9s first %6ss  rebuild %6ss%s\n' "$r" "$k" $(echo "$res" | cut -d' ' -f1,2) \
             "$(echo "$res" | awk 'NF == 3 { printf "  imgbridge peak RSS %d MiB", $3 / 1024 }')"
@@ -430,22 +446,34 @@ SMALL_RSS=$(hwm "$IB_PID")
 stop "$IB_PID"
 stop "$CTD_PID"
 
-mean() { awk -v c="$1" '{ s += $c; n++ } END { printf "%.2f", s / n }' "$2"; }
-E1=$(mean 1 "$WORK/endpoint.t"); E2=$(mean 2 "$WORK/endpoint.t")
-R1=$(mean 1 "$WORK/registry.t"); R2=$(mean 2 "$WORK/registry.t")
-I1=$(mean 1 "$WORK/import.t"); I2=$(mean 2 "$WORK/import.t")
-F1=$(mean 1 "$WORK/floor.t"); F2=$(mean 2 "$WORK/floor.t")
-RSS=$(awk '{ if ($3 > m) m = $3 } END { print m }' "$WORK/endpoint.t")
 echo
-echo "== results (mean of $ROUNDS rounds, wall clock until CRI resolves the image)"
-printf '   %-44s first %6ss  rebuild %6ss\n' "endpoint (skopeo push, 201 after CRI)" "$E1" "$E2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "docker-registry push + crictl pull" "$R1" "$R2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "docker-archive + ctr import (kind load)" "$I1" "$I2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "floor: ctr content ingest of the new blobs" "$F1" "$F2"
-awk -v e1="$E1" -v e2="$E2" -v r1="$R1" -v r2="$R2" -v i1="$I1" -v i2="$I2" -v f1="$F1" -v f2="$F2" 'BEGIN {
-    printf "   endpoint / registry+pull: first %.2fx (goal <= 0.7), rebuild %.2fx (goal <= 0.3)\n", e1 / r1, e2 / r2
-    printf "   floor / registry+pull:    first %.2fx, rebuild %.2fx (no design goes below)\n", f1 / r1, f2 / r2
-    printf "   endpoint / floor:         first %.2fx, rebuild %.2fx\n", e1 / f1, e2 / f2
-    printf "   endpoint / ctr import:    first %.2fx, rebuild %.2fx\n", e1 / i1, e2 / i2 }'
-printf '   imgbridge peak RSS: %d MiB after the %d MiB image, %d MiB after a 1 MiB one\n' \
-    "$((RSS / 1024))" "$((LAYERS * LAYER_MIB))" "$((SMALL_RSS / 1024))"
+echo "== results, $ROUNDS rounds, wall clock until CRI resolves the image: median (min-max);"
+echo "   ratios: median of the per-round ratios (min-max)"
+python3 - "$WORK" "$LAYERS" "$LAYER_MIB" "$SMALL_RSS" "${paths[@]}" << 'EOF'
+import statistics, sys
+work, layers, mib, small, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+t = {k: [[float(x) for x in l.split()] for l in open(f"{work}/{k}.t")] for k in paths}
+name = {
+    "endpoint": "endpoint (skopeo push, 201 after CRI)",
+    "base": "endpoint, IMGBRIDGE_BASE",
+    "registry": "docker-registry push + crictl pull",
+    "import": "docker-archive + ctr import (kind load)",
+    "floor": "floor: ctr content ingest of the new blobs",
+}
+md = lambda xs: f"{statistics.median(xs):5.2f} ({min(xs):.2f}-{max(xs):.2f})"
+for k in paths:
+    print(f"   {name[k]:<44} first {md([r[0] for r in t[k]])}s  rebuild {md([r[1] for r in t[k]])}s")
+def ratio(a, b, goal=("", "")):
+    if a in t and b in t:
+        f = [x[0] / y[0] for x, y in zip(t[a], t[b])]
+        r = [x[1] / y[1] for x, y in zip(t[a], t[b])]
+        print(f"   {a + ' / ' + b + ':':<26} first {md(f)}x{goal[0]}, rebuild {md(r)}x{goal[1]}")
+ratio("endpoint", "registry", (" (goal <= 0.7)", " (goal <= 0.3)"))
+ratio("floor", "registry", ("", " (no design goes below)"))
+ratio("endpoint", "floor")
+ratio("base", "floor")
+ratio("endpoint", "base")
+ratio("endpoint", "import")
+rss = max([int(r[2]) for r in t.get("endpoint", []) if len(r) > 2] or [0])
+print(f"   imgbridge peak RSS: {rss // 1024} MiB after the {layers * mib} MiB image, {small // 1024} MiB after a 1 MiB one")
+EOF

@@ -438,21 +438,28 @@ impl Ingest {
         self.writer.offset == self.size
     }
 
-    /// Sends `data` at the current offset (owned, so a chunk of at most
-    /// 1 MiB goes out without a copy; larger ones are split).
-    pub async fn write(&mut self, mut data: Vec<u8>) -> Result<()> {
-        while !data.is_empty() {
-            let rest = if data.len() > CHUNK {
-                data.split_off(CHUNK)
-            } else {
-                Vec::new()
-            };
-            let offset = self.writer.offset;
-            self.writer.offset += data.len() as i64;
-            self.writer.write_at(offset, data).await?;
-            data = rest;
+    /// Sends `data` at the current offset without waiting for its reply
+    /// (up to [`WINDOW`] WRITEs are in flight). Owned, so a chunk of at
+    /// most [`CHUNK`] goes out as it is; a larger one is cut into chunks,
+    /// each byte copied once. A caller gathering a stream should hand over
+    /// exactly `CHUNK` at a time: every WRITE costs containerd a round.
+    pub async fn write(&mut self, data: Vec<u8>) -> Result<()> {
+        if data.len() <= CHUNK {
+            return self.write_chunk(data).await;
+        }
+        for c in data.chunks(CHUNK) {
+            self.write_chunk(c.to_vec()).await?;
         }
         Ok(())
+    }
+
+    async fn write_chunk(&mut self, data: Vec<u8>) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let offset = self.writer.offset;
+        self.writer.offset += data.len() as i64;
+        self.writer.write_at(offset, data).await
     }
 
     /// Bytes sent so far.
