@@ -18,31 +18,63 @@
 # The image: $LAYERS uncompressed layers of $LAYER_MIB MiB random data
 # (about 500 MiB), pushed first whole, then rebuilt with its top layer
 # changed ("rebuild"). Each path runs on a fresh containerd (with CRI) in its
-# own root, $ROUNDS rounds, the order alternating. Also reports imgbridge's
-# peak RSS after the endpoint runs (VmHWM), and after a push of a small image
-# on a fresh imgbridge, to show it does not grow with the image size.
+# own root, $ROUNDS rounds, the order alternating; it reports medians with
+# their spread and the per-round ratios. Also reports imgbridge's peak RSS
+# after the endpoint runs (VmHWM), and after a push of a small image on a
+# fresh imgbridge, to show it does not grow with the image size. With
+# IMGBRIDGE_BASE (e.g. the build before a change) a path "base" runs the
+# endpoint's push on that build too; PATHS picks paths (e.g. PATHS="endpoint
+# base floor").
 #
-# Needs: containerd + ctr (PATH, or CONTAINERD_BIN=<bin dir>), skopeo,
+# MODE=blob measures ONE blob's write instead, on one containerd (with CRI)
+# and one imgbridge (two with IMGBRIDGE_BASE): $LAYER_MIB MiB of random
+# bytes each time (the same bytes, their first 16 changed per write so that
+# every write is of a blob containerd does not have: one it has would be
+# shared, not written), timed until the client returns (the 201 for HTTP),
+# $ROUNDS rounds (default 9) after one warm-up round, the order of the
+# variants rotating and reversing every round:
+#
+#   ctr         ctr -n buildkit content ingest --expected-size/-digest (the
+#               floor: containerd's Go client, 1 MiB per WRITE)
+#   put         curl: POST /v2/bench/blobs/uploads/, then PUT <location>
+#               ?digest= with the whole body (Content-Length): monolithic
+#   patch       curl: POST, then one PATCH with the whole body (chunked, as
+#               crane streams a layer) and PUT ?digest= with no body on one
+#               connection
+#   put@base, patch@base   the same against $IMGBRIDGE_BASE
+#
+# It prints each variant's median (min-max), the median of its per-round
+# ratios to ctr, and the CPU time containerd and imgbridge spent on it.
+# Needs containerd, ctr, curl, sha256sum and python3 only.
+#
+# The push needs: containerd + ctr (PATH, or CONTAINERD_BIN=<bin dir>), skopeo,
 # docker-registry, sha256sum, python3, curl, crictl (PATH, or built with
 # scripts/peers.sh fetch crictl). No farm, no network.
-# Usage: scripts/bench-push.sh   (env: IMGBRIDGE, WORK, ROUNDS, LAYERS,
-#        LAYER_MIB, CONTAINERD_BIN, KEEP=1 to keep $WORK)
+# Usage: scripts/bench-push.sh   (env: IMGBRIDGE, IMGBRIDGE_BASE, PATHS,
+#        WORK, ROUNDS, LAYERS, LAYER_MIB, CONTAINERD_BIN, KEEP=1 to keep
+#        $WORK)
+#        MODE=blob scripts/bench-push.sh   (env: IMGBRIDGE, IMGBRIDGE_BASE,
+#        WORK, ROUNDS, LAYER_MIB, CONTAINERD_BIN, KEEP, VARIANTS to pick
+#        some, e.g. "ctr put patch")
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 IMGBRIDGE=${IMGBRIDGE:-$root/target/release/imgbridge}
 WORK=${WORK:-$(mktemp -d /tmp/imgbridge-bench-push.XXXXXX)}
-ROUNDS=${ROUNDS:-3}
+MODE=${MODE:-push}
+if [ "$MODE" = blob ]; then ROUNDS=${ROUNDS:-9}; else ROUNDS=${ROUNDS:-3}; fi
 LAYERS=${LAYERS:-10}
 LAYER_MIB=${LAYER_MIB:-50}
 [ -n "${CONTAINERD_BIN:-}" ] && export PATH="$CONTAINERD_BIN:$PATH"
 
 [ -x "$IMGBRIDGE" ] || { echo "build imgbridge first: cargo build --release ($IMGBRIDGE)" >&2; exit 2; }
-for t in containerd ctr skopeo docker-registry sha256sum python3 curl; do
+needs="containerd ctr sha256sum python3 curl"
+[ "$MODE" = blob ] || needs="$needs skopeo docker-registry"
+for t in $needs; do
     command -v "$t" > /dev/null || { echo "$t is needed" >&2; exit 2; }
 done
 CRICTL=${CRICTL:-$(command -v crictl || true)}
-if [ -z "$CRICTL" ]; then
+if [ -z "$CRICTL" ] && [ "$MODE" != blob ]; then
     CRICTL="$("$root/scripts/peers.sh" fetch crictl | awk '{ print $3 }')/crictl"
 fi
 mkdir -p "$WORK"
@@ -121,19 +153,24 @@ start_containerd() {
     CTD_PID=$!
     PIDS+=("$CTD_PID")
     SOCK="$d/c.sock"
-    wait_for containerd crictl_ version
+    if [ "$MODE" = blob ]; then
+        wait_for containerd ctr -a "$SOCK" version
+    else
+        wait_for containerd crictl_ version
+    fi
 }
 
 crictl_() { "$CRICTL" --config "$WORK/crictl.yaml" --runtime-endpoint "unix://$SOCK" --image-endpoint "unix://$SOCK" "$@"; }
 resolves() { crictl_ inspecti -o json "$1" > /dev/null 2>&1 || { echo "CRI does not resolve $1" >&2; exit 1; }; }
 
+# start_imgbridge [BINARY [DIR]]: sets IB_PORT and IB_PID.
 start_imgbridge() {
-    local d="$WORK/ib"
+    local bin=${1:-$IMGBRIDGE} d="$WORK/${2:-ib}"
     rm -rf "$d"
     mkdir -p "$d"
     IB_PORT=$(free_port)
     printf '[reconcile]\nenabled = false\n[registry]\nlisten = "127.0.0.1:%s"\n' "$IB_PORT" > "$d/config.toml"
-    RUST_LOG=warn "$IMGBRIDGE" serve --config "$d/config.toml" --listen "$d/ib.sock" --upstream "$SOCK" > "$d/log" 2>&1 &
+    RUST_LOG=warn "$bin" serve --config "$d/config.toml" --listen "$d/ib.sock" --upstream "$SOCK" > "$d/log" 2>&1 &
     IB_PID=$!
     PIDS+=("$IB_PID")
     wait_for imgbridge curl -sf "http://127.0.0.1:$IB_PORT/v2/"
@@ -173,6 +210,12 @@ run_endpoint() {
     stop "$IB_PID"
     stop "$CTD_PID"
     echo "$(elapsed "$t0" "$t1") $(elapsed "$t1b" "$t2") $rss"
+}
+
+# The same with $IMGBRIDGE_BASE (e.g. the build before a change).
+run_base() {
+    local IMGBRIDGE=$IMGBRIDGE_BASE
+    run_endpoint
 }
 
 run_registry() {
@@ -245,6 +288,126 @@ run_floor() {
     echo "$(elapsed "$t0" "$t1") $(elapsed "$t1b" "$t2")"
 }
 
+# ---- MODE=blob: one blob's write, ctr content ingest against the endpoint.
+
+# blob_file N: $WORK/blob, the base bytes with their first 16 made N's; sets
+# BLOB_DIGEST and BLOB_SIZE.
+blob_file() {
+    { printf '%016d' "$1"; tail -c +17 "$WORK/base"; } > "$WORK/blob"
+    BLOB_DIGEST="sha256:$(sha256sum "$WORK/blob" | cut -d' ' -f1)"
+    BLOB_SIZE=$(stat -c %s "$WORK/blob")
+}
+
+# upload_start PORT: POSTs an upload session; prints its location.
+upload_start() {
+    curl -sS -o /dev/null -D - -X POST "http://127.0.0.1:$1/v2/bench/blobs/uploads/" |
+        tr -d '\r' | awk 'tolower($1) == "location:" { print $2 }'
+}
+
+# query LOCATION: what joins a query parameter to it.
+query() { case $1 in *\?*) echo '&' ;; *) echo '?' ;; esac; }
+
+# blob_VARIANT PORT: one write of $WORK/blob; fails unless it succeeded
+# (ctr: containerd committed it as the expected digest; HTTP: a 201, which
+# the endpoint answers once containerd did). Not looked up afterwards: a blob
+# ctr wrote holds no lease, and GC may take it at once.
+blob_ctr() {
+    ctr -a "$SOCK" -n buildkit content ingest --expected-size "$BLOB_SIZE" \
+        --expected-digest "$BLOB_DIGEST" "bench-${BLOB_DIGEST#sha256:}" < "$WORK/blob"
+}
+blob_put() {
+    local loc code
+    loc=$(upload_start "$1")
+    code=$(curl -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Expect:' \
+        -H 'Content-Type: application/octet-stream' -T "$WORK/blob" \
+        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST")
+    [ "$code" = 201 ] || { echo "PUT answered $code" >&2; return 1; }
+}
+blob_patch() {
+    local loc codes
+    loc=$(upload_start "$1")
+    # PATCH and PUT on one connection, as a client does (the endpoint's
+    # location does not change with the PATCH; its 202 is checked).
+    codes=$(curl -sS -o /dev/null -w '%{http_code} ' -X PATCH -H 'Expect:' -H 'Transfer-Encoding: chunked' \
+        -H 'Content-Type: application/octet-stream' -T - "http://127.0.0.1:$1$loc" \
+        --next -sS -o /dev/null -w '%{http_code}' -X PUT -H 'Content-Length: 0' \
+        "http://127.0.0.1:$1$loc$(query "$loc")digest=$BLOB_DIGEST" < "$WORK/blob")
+    [ "$codes" = "202 201" ] || { echo "PATCH, PUT answered $codes" >&2; return 1; }
+}
+
+# cpu_ms PID: CPU time its threads have used so far, in ms.
+cpu_ms() { cat /proc/"$1"/task/*/schedstat 2> /dev/null | awk '{ s += $1 } END { printf "%.0f", s / 1e6 }'; }
+
+run_blob_mode() {
+    local r i n=0 k t0 t1 c0 b0 port pid line turn rev vs
+    read -ra vs <<< "${VARIANTS:-ctr put patch${IMGBRIDGE_BASE:+ put@base patch@base}}"
+    echo "== one ${LAYER_MIB} MiB blob's write, $ROUNDS rounds, in $WORK"
+    head -c "${LAYER_MIB}M" /dev/urandom > "$WORK/base"
+    start_containerd
+    start_imgbridge "$IMGBRIDGE" ib
+    PORT_NEW=$IB_PORT PID_NEW=$IB_PID
+    if [ -n "${IMGBRIDGE_BASE:-}" ]; then
+        start_imgbridge "$IMGBRIDGE_BASE" ib-base
+        PORT_BASE=$IB_PORT PID_BASE=$IB_PID
+    fi
+    echo "   containerd $(containerd --version | awk '{ print $3 }'); imgbridge $IMGBRIDGE${IMGBRIDGE_BASE:+; base $IMGBRIDGE_BASE}"
+    for k in "${vs[@]}"; do : > "$WORK/blob-${k/@/-}.t"; done
+    # Round 0 is a warm-up, not counted.
+    for r in $(seq 0 "$ROUNDS"); do
+        turn=()
+        for i in "${!vs[@]}"; do turn+=("${vs[$(((i + r) % ${#vs[@]}))]}"); done
+        if [ $((r % 2)) = 1 ]; then
+            rev=()
+            for ((i = ${#turn[@]} - 1; i >= 0; i--)); do rev+=("${turn[$i]}"); done
+            turn=("${rev[@]}")
+        fi
+        line=""
+        for k in "${turn[@]}"; do
+            n=$((n + 1))
+            blob_file "$n"
+            sync
+            case $k in *@base) port=$PORT_BASE pid=$PID_BASE ;; *) port=$PORT_NEW pid=$PID_NEW ;; esac
+            c0=$(cpu_ms "$CTD_PID")
+            b0=$(cpu_ms "$pid")
+            t0=$(now)
+            "blob_${k%@base}" "$port" > /dev/null 2> "$WORK/client.err" || { cat "$WORK/client.err" >&2; exit 1; }
+            t1=$(now)
+            t1=$(awk -v a="$t0" -v b="$t1" -v c="$(($(cpu_ms "$CTD_PID") - c0))" -v i="$(($(cpu_ms "$pid") - b0))" \
+                'BEGIN { printf "%.3f %d %d", b - a, c, i }')
+            [ "$r" = 0 ] || echo "$t1" >> "$WORK/blob-${k/@/-}.t"
+            line="$line  $k ${t1%% *}s"
+            ctr -a "$SOCK" -n buildkit content rm "$BLOB_DIGEST" > /dev/null 2>&1
+        done
+        if [ "$r" = 0 ]; then echo "   warm-up:$line"; else echo "   round $r:$line"; fi
+    done
+    echo
+    echo "== results, $ROUNDS rounds: wall s, median (min-max); per-round ratio to ctr, median (min-max);"
+    echo "   CPU ms of containerd and of the imgbridge serving the write (ctr: idle), medians"
+    python3 - "$WORK" "${vs[@]}" << 'EOF'
+import statistics, sys
+work, vs = sys.argv[1], sys.argv[2:]
+rows = {k: [[float(x) for x in l.split()] for l in open(f"{work}/blob-{k.replace('@', '-')}.t")] for k in vs}
+t = {k: [r[0] for r in rows[k]] for k in vs}
+med = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+for k in vs:
+    line = f"   {k:<11} {statistics.median(t[k]):6.3f} s ({min(t[k]):.3f}-{max(t[k]):.3f})"
+    if "ctr" in t and k != "ctr":
+        line += f"   {k}/ctr {med([a / b for a, b in zip(t[k], t['ctr'])])}x"
+    else:
+        line += " " * 30
+    line += f"   CPU containerd {statistics.median(r[1] for r in rows[k]):4.0f}, imgbridge {statistics.median(r[2] for r in rows[k]):4.0f}"
+    print(line)
+for k in vs:
+    if k.endswith("@base") and k[:-5] in t:
+        print(f"   {k[:-5]}/{k}: {med([a / b for a, b in zip(t[k[:-5]], t[k])])}x per round")
+EOF
+}
+
+if [ "$MODE" = blob ]; then
+    run_blob_mode
+    exit 0
+fi
+
 echo "== building a ${LAYERS}x${LAYER_MIB} MiB image and its one-layer rebuild in $WORK"
 mkdir -p "$WORK/a/blobs/sha256" "$WORK/b/blobs/sha256"
 digests=()
@@ -255,13 +418,16 @@ changed=$(layer "$WORK/b" "$LAYER_MIB")
 layout "$WORK/b" 2 "${digests[@]:0:$((LAYERS - 1))}" "$changed"
 echo "   $(du -sm "$WORK/a" | cut -f1) MiB; containerd $(containerd --version | awk '{ print $3 }'); imgbridge $IMGBRIDGE"
 
-: > "$WORK/endpoint.t"
-: > "$WORK/registry.t"
-: > "$WORK/import.t"
-: > "$WORK/floor.t"
+# The paths, in the order of odd rounds (even rounds reverse it).
+read -ra paths <<< "${PATHS:-endpoint${IMGBRIDGE_BASE:+ base} registry import floor}"
+for k in "${paths[@]}"; do : > "$WORK/$k.t"; done
 for r in $(seq 1 "$ROUNDS"); do
-    if [ $((r % 2)) = 1 ]; then order="endpoint registry import floor"; else order="floor import registry endpoint"; fi
-    for k in $order; do
+    order=("${paths[@]}")
+    if [ $((r % 2)) = 0 ]; then
+        order=()
+        for ((i = ${#paths[@]} - 1; i >= 0; i--)); do order+=("${paths[$i]}"); done
+    fi
+    for k in "${order[@]}"; do
         res=$("run_$k")
         printf '   round %d %-9s first %6ss  rebuild %6ss%s\n' "$r" "$k" $(echo "$res" | cut -d' ' -f1,2) \
             "$(echo "$res" | awk 'NF == 3 { printf "  imgbridge peak RSS %d MiB", $3 / 1024 }')"
@@ -280,22 +446,34 @@ SMALL_RSS=$(hwm "$IB_PID")
 stop "$IB_PID"
 stop "$CTD_PID"
 
-mean() { awk -v c="$1" '{ s += $c; n++ } END { printf "%.2f", s / n }' "$2"; }
-E1=$(mean 1 "$WORK/endpoint.t"); E2=$(mean 2 "$WORK/endpoint.t")
-R1=$(mean 1 "$WORK/registry.t"); R2=$(mean 2 "$WORK/registry.t")
-I1=$(mean 1 "$WORK/import.t"); I2=$(mean 2 "$WORK/import.t")
-F1=$(mean 1 "$WORK/floor.t"); F2=$(mean 2 "$WORK/floor.t")
-RSS=$(awk '{ if ($3 > m) m = $3 } END { print m }' "$WORK/endpoint.t")
 echo
-echo "== results (mean of $ROUNDS rounds, wall clock until CRI resolves the image)"
-printf '   %-44s first %6ss  rebuild %6ss\n' "endpoint (skopeo push, 201 after CRI)" "$E1" "$E2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "docker-registry push + crictl pull" "$R1" "$R2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "docker-archive + ctr import (kind load)" "$I1" "$I2"
-printf '   %-44s first %6ss  rebuild %6ss\n' "floor: ctr content ingest of the new blobs" "$F1" "$F2"
-awk -v e1="$E1" -v e2="$E2" -v r1="$R1" -v r2="$R2" -v i1="$I1" -v i2="$I2" -v f1="$F1" -v f2="$F2" 'BEGIN {
-    printf "   endpoint / registry+pull: first %.2fx (goal <= 0.7), rebuild %.2fx (goal <= 0.3)\n", e1 / r1, e2 / r2
-    printf "   floor / registry+pull:    first %.2fx, rebuild %.2fx (no design goes below)\n", f1 / r1, f2 / r2
-    printf "   endpoint / floor:         first %.2fx, rebuild %.2fx\n", e1 / f1, e2 / f2
-    printf "   endpoint / ctr import:    first %.2fx, rebuild %.2fx\n", e1 / i1, e2 / i2 }'
-printf '   imgbridge peak RSS: %d MiB after the %d MiB image, %d MiB after a 1 MiB one\n' \
-    "$((RSS / 1024))" "$((LAYERS * LAYER_MIB))" "$((SMALL_RSS / 1024))"
+echo "== results, $ROUNDS rounds, wall clock until CRI resolves the image: median (min-max);"
+echo "   ratios: median of the per-round ratios (min-max)"
+python3 - "$WORK" "$LAYERS" "$LAYER_MIB" "$SMALL_RSS" "${paths[@]}" << 'EOF'
+import statistics, sys
+work, layers, mib, small, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+t = {k: [[float(x) for x in l.split()] for l in open(f"{work}/{k}.t")] for k in paths}
+name = {
+    "endpoint": "endpoint (skopeo push, 201 after CRI)",
+    "base": "endpoint, IMGBRIDGE_BASE",
+    "registry": "docker-registry push + crictl pull",
+    "import": "docker-archive + ctr import (kind load)",
+    "floor": "floor: ctr content ingest of the new blobs",
+}
+md = lambda xs: f"{statistics.median(xs):5.2f} ({min(xs):.2f}-{max(xs):.2f})"
+for k in paths:
+    print(f"   {name[k]:<44} first {md([r[0] for r in t[k]])}s  rebuild {md([r[1] for r in t[k]])}s")
+def ratio(a, b, goal=("", "")):
+    if a in t and b in t:
+        f = [x[0] / y[0] for x, y in zip(t[a], t[b])]
+        r = [x[1] / y[1] for x, y in zip(t[a], t[b])]
+        print(f"   {a + ' / ' + b + ':':<26} first {md(f)}x{goal[0]}, rebuild {md(r)}x{goal[1]}")
+ratio("endpoint", "registry", (" (goal <= 0.7)", " (goal <= 0.3)"))
+ratio("floor", "registry", ("", " (no design goes below)"))
+ratio("endpoint", "floor")
+ratio("base", "floor")
+ratio("endpoint", "base")
+ratio("endpoint", "import")
+rss = max([int(r[2]) for r in t.get("endpoint", []) if len(r) > 2] or [0])
+print(f"   imgbridge peak RSS: {rss // 1024} MiB after the {layers * mib} MiB image, {small // 1024} MiB after a 1 MiB one")
+EOF

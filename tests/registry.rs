@@ -997,21 +997,36 @@ async fn hostile_input_gets_oci_errors_and_leaves_nothing() {
         write!(c, "POST /v2/hostile/blobs/uploads/?digest={} HTTP/1.1\r\nHost: {a}\r\nContent-Length: 100000\r\n\r\n", sha256(b"x")).unwrap();
         c.write_all(&[b'x'; 5000]).unwrap();
     }
-    // Nothing half-written: no ingest left open in the namespace.
-    let left = poll(Duration::from_secs(10), || {
+    let ingests = || {
         let statuses = block_on(c.content().list_statuses(imgbridge::containerd::request(
             SRC,
             None,
             containerd_client::services::v1::ListStatusesRequest::default(),
         )));
-        statuses
-            .ok()?
-            .into_inner()
-            .statuses
-            .is_empty()
-            .then_some(())
-    });
+        statuses.ok().map(|s| s.into_inner().statuses.len())
+    };
+    // Nothing half-written: no ingest left open in the namespace.
+    let left = poll(Duration::from_secs(10), || (ingests()? == 0).then_some(()));
     assert!(left.is_some(), "ingests left in {SRC}:\n{}", s.p.log_tail());
+    // So too when containerd already has some of the bytes: the ingest,
+    // open while the body streams, is aborted when the client goes away.
+    {
+        let mut c = TcpStream::connect(a).unwrap();
+        write!(c, "POST /v2/hostile/blobs/uploads/?digest={} HTTP/1.1\r\nHost: {a}\r\nContent-Length: {}\r\n\r\n", sha256(b"y"), 8 << 20).unwrap();
+        c.write_all(&vec![b'y'; 3 << 20]).unwrap();
+        let open = poll(Duration::from_secs(10), || (ingests()? > 0).then_some(()));
+        assert!(
+            open.is_some(),
+            "no ingest while the body streams:\n{}",
+            s.p.log_tail()
+        );
+    }
+    let left = poll(Duration::from_secs(10), || (ingests()? == 0).then_some(()));
+    assert!(
+        left.is_some(),
+        "ingests left in {SRC} after a client went away mid-body:\n{}",
+        s.p.log_tail()
+    );
 }
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {

@@ -26,6 +26,11 @@ const CHUNK: usize = 1 << 20;
 /// would idle both sides once per chunk; a bounded window keeps memory
 /// constant (acks are ~100 bytes, far below any HTTP/2 window).
 const WINDOW: usize = 8;
+/// WRITE messages queued for tonic's encoder. The window's other WRITEs are
+/// in containerd's hands; each one queued here is a chunk more of memory
+/// per ingest (a 10-layer push's peak RSS: 34-35 MiB with 4, 28-29 with 1,
+/// as fast), and the encoder takes the next as soon as HTTP/2 lets it.
+const QUEUED: usize = 1;
 
 /// How a blob reached the target namespace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -288,7 +293,7 @@ impl Containerd {
         lease: Option<&str>,
         blob: &BlobRef<'_>,
     ) -> Result<Opened> {
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::channel(QUEUED);
         let reference = format!("imgbridge-{}-{}", super::leases::unique(), blob.digest);
         let op = format!("Content.Write {} in {ns}", blob.digest);
         tx.send(WriteContentRequest {
@@ -441,21 +446,28 @@ impl Ingest {
         self.writer.offset == self.size
     }
 
-    /// Sends `data` at the current offset (owned, so a chunk of at most
-    /// 1 MiB goes out without a copy; larger ones are split).
-    pub async fn write(&mut self, mut data: Vec<u8>) -> Result<()> {
-        while !data.is_empty() {
-            let rest = if data.len() > CHUNK {
-                data.split_off(CHUNK)
-            } else {
-                Vec::new()
-            };
-            let offset = self.writer.offset;
-            self.writer.offset += data.len() as i64;
-            self.writer.write_at(offset, data).await?;
-            data = rest;
+    /// Sends `data` at the current offset without waiting for its reply
+    /// (up to [`WINDOW`] WRITEs are in flight). Owned, so a chunk of at
+    /// most [`CHUNK`] goes out as it is; a larger one is cut into chunks,
+    /// each byte copied once. A caller gathering a stream should hand over
+    /// exactly `CHUNK` at a time: every WRITE costs containerd a round.
+    pub async fn write(&mut self, data: Vec<u8>) -> Result<()> {
+        if data.len() <= CHUNK {
+            return self.write_chunk(data).await;
+        }
+        for c in data.chunks(CHUNK) {
+            self.write_chunk(c.to_vec()).await?;
         }
         Ok(())
+    }
+
+    async fn write_chunk(&mut self, data: Vec<u8>) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let offset = self.writer.offset;
+        self.writer.offset += data.len() as i64;
+        self.writer.write_at(offset, data).await
     }
 
     /// Bytes sent so far.

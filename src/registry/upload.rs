@@ -307,7 +307,15 @@ impl Registry {
             })
     }
 
-    /// Streams `body` into the session's ingest, [`CHUNK`] at a time.
+    /// Streams `body` into the session's ingest in WRITEs of exactly
+    /// [`CHUNK`] (a request's last one may be shorter). The body's frames
+    /// (hyper's reads, 8-500 KiB) are cut at chunk boundaries and gathered
+    /// into a buffer allocated once at full size: every WRITE costs
+    /// containerd a round of its handler, so a frame that overshoots the
+    /// chunk is not sent as a WRITE of its own. Sending waits for no reply
+    /// (the ingest keeps a bounded window of them in flight), so the next
+    /// bytes are read while containerd writes these; memory stays one chunk
+    /// plus that window whatever the blob's size.
     async fn feed(&self, s: &mut Session, mut body: Incoming) -> Result<()> {
         let mut buf: Vec<u8> = Vec::new();
         while let Some(frame) = body.frame().await {
@@ -317,7 +325,7 @@ impl Registry {
                     format!("reading the request body: {e}"),
                 )
             })?;
-            let Ok(data) = frame.into_data() else {
+            let Ok(mut data) = frame.into_data() else {
                 continue;
             };
             let total = s.offset() + (buf.len() + data.len()) as u64;
@@ -331,13 +339,16 @@ impl Registry {
                 )
                 .with_status(StatusCode::PAYLOAD_TOO_LARGE));
             }
-            if buf.is_empty() && data.len() >= CHUNK {
-                self.send(s, Vec::from(data)).await?;
-                continue;
-            }
-            buf.extend_from_slice(&data);
-            if buf.len() >= CHUNK {
-                self.send(s, std::mem::take(&mut buf)).await?;
+            while !data.is_empty() {
+                if buf.capacity() == 0 {
+                    buf.reserve_exact(CHUNK);
+                }
+                let n = data.len().min(CHUNK - buf.len());
+                buf.extend_from_slice(&data[..n]);
+                bytes::Buf::advance(&mut data, n);
+                if buf.len() == CHUNK {
+                    self.send(s, std::mem::take(&mut buf)).await?;
+                }
             }
         }
         if !buf.is_empty() {
