@@ -305,19 +305,27 @@ mod tests {
         assert_eq!(l.invalid[1].1, "foo@sha256:abc");
     }
 
+    /// Duplicates go, the first of each stays, in order, over a list as
+    /// long as real ones. How long that takes is measured by
+    /// `examples/bench_pull_list.rs` (docs/performance.md), not asserted
+    /// here: a timing assertion fails on a loaded machine.
     #[test]
-    fn dedupe_is_linear() {
-        let time = |n: usize| {
-            let text: String = (0..n).map(|i| format!("r{i}\n")).collect();
-            let t = std::time::Instant::now();
-            assert_eq!(parse(&text).refs.len(), n);
-            t.elapsed()
-        };
-        time(1000); // warm-up
-        let (small, big) = (time(10_000), time(40_000));
-        // 4x the lines: ~4x the time when linear, ~16x when quadratic
-        // (`Vec::contains` took 95 s for 145k references).
-        assert!(big < small * 10, "10k references: {small:?}, 40k: {big:?}");
+    fn dedupe_keeps_the_first_of_each() {
+        let n = 40_000;
+        let text: String = (0..n)
+            .flat_map(|i| [format!("r{i}\n"), format!("r{}\n", i / 2)])
+            .collect();
+        let refs = parse(&text).refs;
+        assert_eq!(refs.len(), n);
+        assert!(refs.windows(2).all(|w| w[0] != w[1]));
+        assert_eq!(
+            refs[..3],
+            [
+                "docker.io/library/r0:latest",
+                "docker.io/library/r1:latest",
+                "docker.io/library/r2:latest"
+            ]
+        );
     }
 
     #[test]
