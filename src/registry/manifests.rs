@@ -21,6 +21,7 @@ use crate::containerd::{Descriptor, Image};
 use crate::labels::{
     media_type, REGISTRY_MEDIA_TYPE, REGISTRY_REPOSITORY, REGISTRY_SUBJECT, REPLICATE, REPLICATE_NO,
 };
+use crate::oci::manifest::is_parent;
 use crate::oci::{Digest, Manifest, ManifestRef, Repository};
 
 use super::errors::{Code, Error, Result};
@@ -29,10 +30,6 @@ use super::{answer, full, Body, Registry};
 /// How long the lease that covers a manifest between its commit and its
 /// record may live (it is released as soon as the record is written).
 const MANIFEST_LEASE: Duration = Duration::from_secs(600);
-
-fn is_manifest_type(t: &str) -> bool {
-    media_type::is_manifest(t) || media_type::is_index(t)
-}
 
 /// A manifest PUT, read and checked: what is stored and recorded.
 struct Push {
@@ -118,7 +115,7 @@ fn manifest_media_type(doc: &Manifest, content_type: Option<String>) -> Result<S
             ))
         }
     };
-    if !is_manifest_type(&media_type) {
+    if !is_parent(&media_type) {
         return Err(Error::new(
             Code::ManifestInvalid,
             format!("unsupported manifest media type {media_type}"),
@@ -222,7 +219,7 @@ impl Registry {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .map(|v| v.split(';').next().unwrap_or("").trim().to_string())
-            .filter(|v| is_manifest_type(v));
+            .filter(|v| is_parent(v));
         let body = read_limited(req.into_body(), self.s.max_manifest)
             .await?
             .ok_or_else(too_big)?;

@@ -47,7 +47,6 @@ use crate::replicate::Replicator;
 use errors::{Code, Error};
 use observe::RegistryObserver;
 use routes::Route;
-use session::Session;
 
 /// Response bodies: small JSON, or a blob streamed out of containerd.
 pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
@@ -292,9 +291,7 @@ impl Registry {
         };
         for s in self.sessions.expired(expiry) {
             tracing::debug!(repo = %s.repo, "registry: upload session expired");
-            let Session { state, lease, .. } = s;
-            drop(state);
-            lease.release().await;
+            s.end().await;
         }
         let now = (!all).then(std::time::Instant::now);
         for l in self.held.expired(now) {

@@ -37,6 +37,14 @@ pub struct Session {
 }
 
 impl Session {
+    /// Ends the upload: its ingest aborted unless committed, then its
+    /// lease released now (not from a spawned drop).
+    pub async fn end(self) {
+        let Session { state, lease, .. } = self;
+        drop(state);
+        lease.release().await;
+    }
+
     pub fn offset(&self) -> u64 {
         match &self.state {
             State::Empty => 0,

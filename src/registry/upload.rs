@@ -199,9 +199,8 @@ impl Registry {
     /// and its lease released.
     async fn fail(&self, id: &str, s: Option<Session>) {
         self.sessions.remove(id);
-        if let Some(Session { state, lease, .. }) = s {
-            drop(state);
-            lease.release().await;
+        if let Some(s) = s {
+            s.end().await;
         }
     }
 
@@ -258,25 +257,19 @@ impl Registry {
         body: Incoming,
         d: &Digest,
     ) -> Result<Response<Body>> {
-        let r = self.feed_and_commit(&mut s, body, d).await;
-        let Session { state, lease, .. } = s;
-        drop(state); // aborts an ingest that did not commit
-        match r {
-            Ok(()) => {
-                self.hold(d.as_str(), lease);
-                Ok(answer(
-                    StatusCode::CREATED,
-                    &[
-                        ("location", format!("/v2/{name}/blobs/{d}")),
-                        ("docker-content-digest", d.to_string()),
-                    ],
-                ))
-            }
-            Err(e) => {
-                lease.release().await;
-                Err(e)
-            }
+        if let Err(e) = self.feed_and_commit(&mut s, body, d).await {
+            s.end().await;
+            return Err(e);
         }
+        // Committed: the lease now holds the blob until a manifest names it.
+        self.hold(d.as_str(), s.lease);
+        Ok(answer(
+            StatusCode::CREATED,
+            &[
+                ("location", format!("/v2/{name}/blobs/{d}")),
+                ("docker-content-digest", d.to_string()),
+            ],
+        ))
     }
 
     async fn feed_and_commit(&self, s: &mut Session, body: Incoming, d: &Digest) -> Result<()> {
