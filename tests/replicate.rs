@@ -541,6 +541,51 @@ async fn delete_policies() {
     );
 }
 
+/// A tag rebuilt in place (a dev loop's `app:dev`, buildkit's
+/// `Images.Update`): the digest record of the image it left is unpinned at
+/// once, so kubelet's image GC may take that image; it stayed pinned until
+/// the next catch-up pass before (the soak's finding, docs/reliability.md).
+/// Reconcile is off: only the write itself can have done it.
+#[tokio::test]
+async fn a_moved_tag_unpins_the_digest_record_it_left() {
+    let c = Scenario::cri().containerd();
+    let (one, two) = (TestImage::hello("moved-a:1"), TestImage::hello("moved-b:1"));
+    ctr_import(c.socket(), SRC, &one.docker_archive());
+    ctr_import(c.socket(), SRC, &two.docker_archive());
+    let old = image_target(c.socket(), SRC, &one.normalized()).await;
+    let new = image_target(c.socket(), SRC, &two.normalized()).await;
+    let p = Imgbridge::with_config(
+        c.socket(),
+        "[replication]\npin = true\n[reconcile]\nenabled = false\n",
+    );
+    create_image(p.socket(), SRC, "moved:dev", &old).await;
+    let pinned = |i: Option<api::Image>| {
+        i.expect("record")
+            .labels
+            .contains_key("io.cri-containerd.pinned")
+    };
+    let dref = |d: &Descriptor| format!("docker.io/library/moved@{}", d.digest);
+    assert!(pinned(get_image(c.socket(), K8S, &dref(&old)).await));
+    let mut rec = get_image(c.socket(), SRC, "moved:dev").await.unwrap();
+    rec.target = Some(new.clone());
+    update_image(p.socket(), SRC, rec).await;
+    assert!(pinned(get_image(c.socket(), K8S, &dref(&new)).await));
+    assert!(
+        !pinned(get_image(c.socket(), K8S, &dref(&old)).await),
+        "the digest record of the image the tag left is still pinned"
+    );
+    // Another tag of the repository still on the old image keeps it pinned.
+    create_image(p.socket(), SRC, "moved:keep", &old).await;
+    create_image(p.socket(), SRC, "moved:dev2", &old).await;
+    let mut rec = get_image(c.socket(), SRC, "moved:dev2").await.unwrap();
+    rec.target = Some(new.clone());
+    update_image(p.socket(), SRC, rec).await;
+    assert!(
+        pinned(get_image(c.socket(), K8S, &dref(&old)).await),
+        "moved:keep still names the old image"
+    );
+}
+
 #[tokio::test]
 async fn replica_survives_gc_and_pod_still_runs() {
     let (c, p) = Scenario::cri().start();

@@ -57,6 +57,41 @@ impl Replicator {
         Ok(())
     }
 
+    /// The tag `reference` moved in `source` from root `old` to another:
+    /// the digest record of `old` (`digest_refs`) names what no source tag
+    /// of the repository points at any more, so it gets `delete_policy` now,
+    /// as if its source were deleted. Without this every rebuild of one tag
+    /// (a dev loop's `app:dev`) left a pinned image that kubelet's image GC
+    /// can never remove, until the next catch-up pass (found by the soak,
+    /// docs/reliability.md).
+    pub(super) async fn on_moved(
+        &self,
+        source: &str,
+        target: &str,
+        reference: &Reference,
+        old: &str,
+    ) -> Result<(), ctrd::Error> {
+        if !self.s.digest_refs || reference.digest.is_some() {
+            return Ok(());
+        }
+        let dref = reference.with_digest(old);
+        let _g = self.locks.lock(format!("{target}\0{dref}")).await;
+        let still = self
+            .c
+            .list_images(source, vec![format!("target.digest=={old}")])
+            .await?;
+        if still
+            .iter()
+            .any(|i| Reference::parse(&i.name).is_ok_and(|r| r.name() == reference.name()))
+        {
+            return Ok(());
+        }
+        if let Some(rec) = self.c.get_image(target, &dref).await? {
+            self.apply_delete_policy(source, target, rec).await?;
+        }
+        Ok(())
+    }
+
     /// Applies `delete_policy` to every replica of `source` whose source
     /// image is gone: deletes that happened while imgbridge or containerd
     /// was down, or whose policy write failed (a crash in between), still

@@ -354,6 +354,13 @@ impl Replicator {
         };
         let (tree, mut outcome) = self.apply(source, target, &mut plan).await.map_err(&err)?;
         clock.walked();
+        // The root the tag pointed at before, if this write moves it.
+        let moved_from = plan
+            .existing
+            .as_ref()
+            .and_then(|e| e.target.as_ref())
+            .map(|t| t.digest.clone())
+            .filter(|d| *d != plan.root.digest);
         outcome.writes += self
             .record_tag(source, target, &mut plan, &tree)
             .await
@@ -374,6 +381,15 @@ impl Replicator {
         // Not when the tag timed out: CRI is behind, and that was logged.
         if resolved {
             polls += self.confirm_digest_ref(target, &plan, &configs).await;
+        }
+        if let Some(old) = moved_from {
+            if let Err(e) = self
+                .on_moved(source, target, &replica.reference, &old)
+                .await
+            {
+                tracing::warn!(image = %replica.name, source, target, error = %e,
+                    "could not apply delete_policy to the digest record the tag left; the next catch-up pass does");
+            }
         }
         clock.report(replica, source, target, &outcome, polls);
         Ok(outcome)

@@ -14,6 +14,9 @@ use crate::repo::imgbridge_bin;
 use crate::scenario::config_file;
 use crate::util::{poll, tempdir, READY_TIMEOUT, STOP_GRACE};
 
+/// What a test's imgbridge logs: its own debug lines, everyone's info.
+const DEBUG_LOG: &str = "imgbridge=debug,info";
+
 /// The proxy under test, listening on `<tmp>/imgbridge.sock`.
 pub struct Imgbridge {
     daemon: Daemon,
@@ -29,7 +32,7 @@ impl Imgbridge {
     pub fn start(upstream_sock: &Path, extra_args: &[&str]) -> Imgbridge {
         let dir = tempdir("imgbridge-");
         let sock = dir.path().join("imgbridge.sock");
-        Self::start_in(dir, sock, upstream_sock, extra_args)
+        Self::start_in(dir, sock, upstream_sock, extra_args, DEBUG_LOG)
     }
 
     /// [`Imgbridge::start`] with `--config` of a file holding `toml`.
@@ -41,11 +44,23 @@ impl Imgbridge {
     /// Like [`Imgbridge::start`] but listening on `sock` (e.g. over a stale
     /// socket file).
     pub fn start_at(sock: &Path, upstream_sock: &Path, extra_args: &[&str]) -> Imgbridge {
+        Self::start_at_logging(sock, upstream_sock, extra_args, DEBUG_LOG)
+    }
+
+    /// [`Imgbridge::start_at`] logging with `RUST_LOG=<filter>`: a run
+    /// of an hour logs at `info`, as a node does.
+    pub fn start_at_logging(
+        sock: &Path,
+        upstream_sock: &Path,
+        extra_args: &[&str],
+        filter: &str,
+    ) -> Imgbridge {
         Self::start_in(
             tempdir("imgbridge-"),
             sock.to_path_buf(),
             upstream_sock,
             extra_args,
+            filter,
         )
     }
 
@@ -54,6 +69,7 @@ impl Imgbridge {
         sock: PathBuf,
         upstream_sock: &Path,
         extra_args: &[&str],
+        filter: &str,
     ) -> Imgbridge {
         let log = dir.path().join("imgbridge.log");
         let mut cmd = Command::new(imgbridge_bin());
@@ -63,7 +79,7 @@ impl Imgbridge {
             .arg("--upstream")
             .arg(upstream_sock)
             .args(extra_args)
-            .env("RUST_LOG", "imgbridge=debug,info")
+            .env("RUST_LOG", filter)
             .env("RUST_BACKTRACE", "1");
         // The config the harness wrote next to its containerd's socket is
         // the one that containerd runs with (what doctor and the 2.x sandbox

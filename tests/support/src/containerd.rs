@@ -50,6 +50,10 @@ pub struct ContainerdOpts {
     /// with `mountPropagation: HostToContainer` needs a shared or slave
     /// source, and this machine's `/` is private.
     pub shared_mount: bool,
+    /// Its root (content, snapshots, metadata) on a tmpfs of this many MiB
+    /// of its own: a disk that a test can fill ([`Containerd::fill_root`])
+    /// and free again.
+    pub root_mib: Option<u64>,
 }
 
 /// A private containerd (the [`flavor`] under test) on sockets in its own temp dir.
@@ -81,6 +85,13 @@ impl Containerd {
                 }
                 run_ok(m);
             }
+        }
+        if let Some(mib) = opts.root_mib {
+            fs::create_dir_all(d.join("root")).expect("mkdir root");
+            let mut m = Command::new("mount");
+            m.args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+                .arg(d.join("root"));
+            run_ok(m);
         }
         let daemon = Self::spawn(&config, &sock, d, opts.netns.as_deref());
         let mut c = Containerd {
@@ -201,6 +212,28 @@ impl Containerd {
                 .map(|r| r.into_inner().statuses.iter().map(|s| s.offset).collect())
                 .unwrap_or_default()
         })
+    }
+
+    /// Fills the filesystem of its root (see [`ContainerdOpts::root_mib`])
+    /// with one file, so that every write there fails with ENOSPC until
+    /// the file is removed; returns the file and the bytes it took.
+    pub fn fill_root(&self) -> (PathBuf, u64) {
+        let f = self.root().join("imgbridge-test-fill");
+        let st = nix::sys::statvfs::statvfs(&self.root()).expect("statvfs root");
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let file = fs::File::create(&f).expect("create fill file");
+        // fallocate may stop a few blocks short of the whole; that is a
+        // full disk to every writer but this one.
+        // SAFETY: a plain syscall on a file descriptor this function owns.
+        let _ = unsafe {
+            libc::fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                free as libc::off_t,
+            )
+        };
+        (f, free)
     }
 
     pub fn config_path(&self) -> &Path {

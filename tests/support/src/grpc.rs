@@ -228,21 +228,31 @@ pub fn assert_cri_managed(records: &[&containerd_client::services::v1::Image]) {
     }
 }
 
+/// Leases as `(namespace, id, owner label)`, ingests as `(namespace, ref)`.
+pub type LeasesAndIngests = (Vec<(String, String, Option<String>)>, Vec<(String, String)>);
+
 /// Every lease in every namespace as `(namespace, id, owner label)`, and
 /// every active ingest as `(namespace, ref)`, read straight from
 /// containerd: what a killed imgbridge can leave behind.
-pub async fn leases_and_ingests(
-    sock: &std::path::Path,
-) -> (Vec<(String, String, Option<String>)>, Vec<(String, String)>) {
+pub async fn leases_and_ingests(sock: &std::path::Path) -> LeasesAndIngests {
+    try_leases_and_ingests(sock)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`leases_and_ingests`], or what failed (containerd down).
+pub async fn try_leases_and_ingests(sock: &std::path::Path) -> Result<LeasesAndIngests, String> {
     use containerd_client::services::v1::{
         leases_client::LeasesClient, namespaces_client::NamespacesClient, ListNamespacesRequest,
         ListRequest, ListStatusesRequest,
     };
-    let ch = containerd_channel(sock).await;
+    let ch = try_containerd_channel(sock)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
     let namespaces = NamespacesClient::new(ch.clone())
         .list(ListNamespacesRequest::default())
         .await
-        .unwrap()
+        .map_err(|e| format!("Namespaces.List: {e}"))?
         .into_inner()
         .namespaces;
     let (mut leases, mut ingests) = (Vec::new(), Vec::new());
@@ -250,21 +260,20 @@ pub async fn leases_and_ingests(
         let ls = LeasesClient::new(ch.clone())
             .list(with_ns(ListRequest::default(), &ns))
             .await
-            .unwrap()
+            .map_err(|e| format!("Leases.List: {e}"))?
             .into_inner()
             .leases;
         for l in ls {
             let owner = l.labels.get("io.imgbridge.owner").cloned();
             leases.push((ns.clone(), l.id, owner));
         }
-        let st = content_client(sock)
-            .await
+        let st = containerd_client::services::v1::content_client::ContentClient::new(ch.clone())
             .list_statuses(with_ns(ListStatusesRequest::default(), &ns))
             .await
-            .unwrap()
+            .map_err(|e| format!("Content.ListStatuses: {e}"))?
             .into_inner()
             .statuses;
         ingests.extend(st.into_iter().map(|s| (ns.clone(), s.r#ref)));
     }
-    (leases, ingests)
+    Ok((leases, ingests))
 }

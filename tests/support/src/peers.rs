@@ -243,22 +243,29 @@ impl Crictl {
     /// A pod running `image` with `cmd` until its log shows `expect`; then
     /// removed.
     pub fn run_pod(&self, image: &str, cmd: &[&str], expect: &str) -> String {
+        self.try_run_pod(image, cmd, expect)
+            .unwrap_or_else(|e| panic!("pod of {image}: {e}"))
+    }
+
+    /// [`Crictl::run_pod`] that says what failed instead of panicking
+    /// (the soak counts failures rather than stopping at the first).
+    pub fn try_run_pod(&self, image: &str, cmd: &[&str], expect: &str) -> Result<String, String> {
         let dir = tempdir("crictl-pod-");
         let (pod_id, cid) = self.start_pod(&unique_name("pod"), image, cmd, dir.path());
         let _guard = pod_id.map(|pod_id| PodGuard {
             crictl: self,
             pod_id,
         });
-        let cid = cid.unwrap_or_else(|e| panic!("pod of {image}: {e}"));
+        let cid = cid?;
         poll(POD_TIMEOUT, || {
             let out = self.run(["logs", &cid]);
             let text = String::from_utf8_lossy(&out.stdout).into_owned()
                 + &String::from_utf8_lossy(&out.stderr);
             text.contains(expect).then_some(text)
         })
-        .unwrap_or_else(|| {
-            panic!(
-                "pod of {image} never printed {expect:?}: {}",
+        .ok_or_else(|| {
+            format!(
+                "never printed {expect:?}: {}",
                 String::from_utf8_lossy(&self.run(["ps", "-a"]).stdout)
             )
         })
