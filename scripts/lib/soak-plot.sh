@@ -2,7 +2,8 @@
 # Plots a soak run (scripts/soak.sh, tests/soak.rs) into DIR/soak.png:
 # three stacked panels over the minutes since the start,
 #   (a) imgbridge's RSS (MiB),
-#   (b) imgbridge's open descriptors (left axis) and threads (right axis),
+#   (b) imgbridge's open descriptors and tokio tasks (left axis) and threads
+#       (right axis),
 #   (c) containerd's leases (but buildkitd's own cache and history), the leases labelled by imgbridge and the
 #       active ingests,
 # with every injected fault drawn in each panel as a thin vertical line at
@@ -38,7 +39,7 @@ tmp="$(mktemp -d "${TMPDIR:-/tmp}/soak-plot.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 
 # ----------------------------------------------------------------- samples
-# minutes rss_mib fds threads leases imgbridge_leases ingests, NaN where
+# minutes rss_mib fds threads leases imgbridge_leases ingests tasks, NaN where
 # missing, a blank line where the pid changes (gnuplot breaks the line
 # there). stats.txt: the numbers of the subtitle.
 awk -F'\t' -v stats="$tmp/stats.txt" '
@@ -63,7 +64,7 @@ awk -F'\t' -v stats="$tmp/stats.txt" '
         if (pid != "NaN") last_pid = pid
         rss = v("rss_kib"); if (rss != "NaN") rss = rss / 1024
         fds = v("fds"); thr = v("threads")
-        printf "%.4f\t%s\t%s\t%s\t%s\t%s\t%s\n", t / 60, rss, fds, thr, v("leases"), v("imgbridge_leases"), v("ingests")
+        printf "%.4f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t / 60, rss, fds, thr, v("leases"), v("imgbridge_leases"), v("ingests"), v("tasks")
         rows++
         if (t > tmax) tmax = t
         if (rss != "NaN") { if (rss > rss_peak) rss_peak = rss; rss_last = rss }
@@ -191,17 +192,18 @@ set yrange [0:*]
 plot 0 lt nodraw notitle, \
      "$tmp/samples.dat" using 1:2 with lines lw 2 lc rgb "#000000" title "RSS (MiB)"$(cat "$tmp/keys.gp")
 
-# (b) descriptors, threads
+# (b) descriptors, tokio tasks, threads
 set tmargin at screen 0.635
 set bmargin at screen 0.365
 set key at screen 0.80, screen 0.635
-set ylabel "open descriptors"
+set ylabel "open descriptors, tokio tasks"
 set y2label "threads" tc rgb "#1a9850"
 set y2tics tc rgb "#1a9850"
 set yrange [0:*]
 set y2range [0:*]
 plot 0 lt nodraw notitle, 0 axes x1y2 lt nodraw notitle, \
      "$tmp/samples.dat" using 1:3 with steps lw 1.2 lc rgb "#000000" title "open fds", \
+     "" using 1:8 with steps lw 1.2 lc rgb "#984ea3" title "tokio tasks", \
      "" using 1:4 axes x1y2 with steps lw 1.2 lc rgb "#1a9850" title "threads (right axis)"
 unset y2label
 unset y2tics

@@ -166,6 +166,8 @@ pub struct Metrics {
         RwLock<HashMap<Box<str>, [Option<Counter>; STATUS_SLOTS], foldhash::fast::RandomState>>,
     call_series: AtomicUsize,
     in_flight: Gauge,
+    /// Set from the runtime at each scrape ([`Metrics::encode`]).
+    tasks_alive: Gauge,
     relayed_bytes: Counter<u64, AtomicU64>,
     hpack_desyncs: Counter,
     pings_answered: Counter,
@@ -219,6 +221,7 @@ impl Metrics {
             quick_calls: RwLock::default(),
             call_series: AtomicUsize::new(0),
             in_flight: Gauge::default(),
+            tasks_alive: Gauge::default(),
             relayed_bytes: Counter::default(),
             hpack_desyncs: Counter::default(),
             pings_answered: Counter::default(),
@@ -248,6 +251,7 @@ impl Metrics {
         register(r, "hpack_desync", m.hpack_desyncs.clone());
         register(r, "pings_answered", m.pings_answered.clone());
         register(r, "proxy_streams_in_flight", m.in_flight.clone());
+        register(r, "tasks_alive", m.tasks_alive.clone());
         register(r, "proxy_relayed", m.relayed_bytes.clone());
         register(r, "replications", m.replications.clone());
         register(r, "replication_duration", m.replication_seconds.clone());
@@ -267,6 +271,11 @@ impl Metrics {
 
     /// The OpenMetrics text exposition of every metric.
     pub fn encode(&self) -> String {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let alive = rt.metrics().num_alive_tasks();
+            self.tasks_alive
+                .set(i64::try_from(alive).unwrap_or(i64::MAX));
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

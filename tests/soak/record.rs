@@ -86,6 +86,8 @@ pub struct Sample {
     pub rss_kib: Option<u64>,
     pub fds: Option<u64>,
     pub threads: Option<u64>,
+    /// Tokio tasks alive (`imgbridge_tasks_alive`).
+    pub tasks: Option<u64>,
     pub streams: Option<u64>,
     /// Every lease but buildkitd's cache and history (`buildkit_leases`).
     pub leases: Option<u64>,
@@ -166,12 +168,12 @@ impl Record {
     pub fn write_tsv(&self, dir: &Path) {
         let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
         let mut s = String::from(
-            "t_s\tpid\trss_kib\tfds\tthreads\tstreams\tleases\timgbridge_leases\tingests\timages_src\timages_k8s\tpending_blobs\timport_pending\tbuildkit_leases\n",
+            "t_s\tpid\trss_kib\tfds\tthreads\tstreams\tleases\timgbridge_leases\tingests\timages_src\timages_k8s\tpending_blobs\timport_pending\tbuildkit_leases\ttasks\n",
         );
         for x in self.samples.lock().unwrap().iter() {
             let _ = writeln!(
                 s,
-                "{:.1}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                "{:.1}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                 x.t,
                 opt(x.pid.map(u64::from)),
                 opt(x.rss_kib),
@@ -186,6 +188,7 @@ impl Record {
                 opt(x.pending_blobs),
                 opt(x.import_pending),
                 opt(x.buildkit_leases),
+                opt(x.tasks),
             );
         }
         fs::write(dir.join("samples.tsv"), s).unwrap();

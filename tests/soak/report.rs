@@ -562,6 +562,13 @@ impl Report {
             4.0,
         );
         flat(
+            "imgbridge tokio tasks flat",
+            "tasks",
+            1.0,
+            series(&|s| s.tasks, true),
+            8.0,
+        );
+        flat(
             "containerd leases (but buildkitd's cache and history) flat",
             "leases",
             1.0,

@@ -1,5 +1,5 @@
 //! Every two seconds: imgbridge's process (memory, descriptors, threads)
-//! from /proc, its streams from /metrics, pending work from /status, and
+//! from /proc, its streams and tokio tasks from /metrics, pending work from /status, and
 //! containerd's leases, ingests and images read on its own socket.
 
 use std::fs;
@@ -46,11 +46,15 @@ pub fn take(node: &Node) -> Sample {
             .map(|d| d.count() as u64)
     });
     let metrics = http_get(&node.metrics, "/metrics").unwrap_or_default();
-    let streams = metrics
-        .lines()
-        .find(|l| l.starts_with("imgbridge_proxy_streams_in_flight "))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map(|v| v as u64);
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' ')))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u64)
+    };
+    let streams = gauge("imgbridge_proxy_streams_in_flight");
+    let tasks = gauge("imgbridge_tasks_alive");
     let status: Option<serde_json::Value> =
         http_get(&node.metrics, "/status").and_then(|b| serde_json::from_str(&b).ok());
     let pending = |k: &str| status.as_ref().and_then(|s| s["pending"][k].as_u64());
@@ -68,6 +72,7 @@ pub fn take(node: &Node) -> Sample {
         rss_kib: field("VmRSS:"),
         fds,
         threads: field("Threads:"),
+        tasks,
         streams,
         leases: li
             .as_ref()

@@ -95,6 +95,8 @@ pub const METRICS: &[MetricDef] = &[
         "Client PINGs imgbridge answered itself because a held reply reached the client late (containerd would have counted them as too many pings)"),
     def("proxy_streams_in_flight", Gauge, None, &[],
         "gRPC calls (HTTP/2 streams) currently being relayed"),
+    def("tasks_alive", Gauge, None, &[],
+        "Tokio tasks alive in the process, read at each scrape (one that only rises is a leak: docs/reliability.md)"),
     def("proxy_relayed", Counter, Some(Bytes), &[],
         "Response DATA bytes relayed from containerd to clients"),
     def("replications", Counter, None, &["outcome", "target"],
