@@ -70,6 +70,15 @@ pub struct Fault {
 }
 
 impl Fault {
+    /// Failed calls that overlap this fault's window.
+    pub fn failed_calls(&self, calls: &[Call]) -> usize {
+        let (a, b) = self.window();
+        calls
+            .iter()
+            .filter(|c| matches!(c.outcome, Outcome::Failed(_)) && c.start <= b && c.end >= a)
+            .count()
+    }
+
     /// The interval in which failures are this fault's doing.
     pub fn window(&self) -> (f64, f64) {
         let until = self.took + self.recovered.unwrap_or(120.0);
@@ -197,11 +206,7 @@ impl Record {
         let faults = self.faults.lock().unwrap().clone();
         let mut s = String::from("t_s\tkind\ttook_s\trecovered_s\tfailed_calls\tdetail\n");
         for f in &faults {
-            let (a, b) = f.window();
-            let failed = calls
-                .iter()
-                .filter(|c| matches!(c.outcome, Outcome::Failed(_)) && c.start <= b && c.end >= a)
-                .count();
+            let failed = f.failed_calls(&calls);
             let rec = f.recovered.map_or("-".into(), |r| format!("{r:.2}"));
             let _ = writeln!(
                 s,

@@ -664,31 +664,16 @@ impl Report {
         kinds.sort();
         kinds.dedup();
         for k in kinds {
-            let mut r: Vec<f64> = faults
-                .iter()
-                .filter(|f| f.kind == k)
-                .filter_map(|f| f.recovered)
-                .collect();
-            r.sort_by(f64::total_cmp);
-            let failed: usize = faults
-                .iter()
-                .filter(|f| f.kind == k)
-                .map(|f| {
-                    let (a, b) = f.window();
-                    calls
-                        .iter()
-                        .filter(|c| matches!(c.outcome, Outcome::Failed(_)))
-                        .filter(|c| c.start <= b && c.end >= a)
-                        .count()
-                })
-                .sum();
-            let n = faults.iter().filter(|f| f.kind == k).count();
-            let mut took: Vec<f64> = faults
-                .iter()
-                .filter(|f| f.kind == k)
-                .map(|f| f.took)
-                .collect();
-            took.sort_by(f64::total_cmp);
+            let of_kind: Vec<&crate::record::Fault> =
+                faults.iter().filter(|f| f.kind == k).collect();
+            let sorted = |f: &dyn Fn(&crate::record::Fault) -> Option<f64>| {
+                let mut v: Vec<f64> = of_kind.iter().filter_map(|x| f(x)).collect();
+                v.sort_by(f64::total_cmp);
+                v
+            };
+            let (r, took) = (sorted(&|f| f.recovered), sorted(&|f| Some(f.took)));
+            let failed: usize = of_kind.iter().map(|f| f.failed_calls(&calls)).sum();
+            let n = of_kind.len();
             let _ = writeln!(
                 fl,
                 "  {k:<20} {n:>3}×  lasted p50 {:>6.2} s; then serving again p50 {:>6.2} s, max {:>6.2} s; {failed} calls failed in their windows",

@@ -12,7 +12,7 @@ use std::time::Duration;
 use imgbridge_test_support::ctr::ctr;
 use imgbridge_test_support::images::TestImage;
 use imgbridge_test_support::peers::peer;
-use imgbridge_test_support::util::{output_with_timeout, poll, tempdir, TOOL_TIMEOUT};
+use imgbridge_test_support::util::{output_with_timeout, poll, TOOL_TIMEOUT};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -139,23 +139,16 @@ pub fn builder(node: Arc<Node>, seed: u64) {
                 "docker.io/library/soak-dev:latest".to_string(),
             ),
         };
-        let ctx = tempdir("soak-ctx-");
-        fs::write(ctx.path().join("Dockerfile"), &dockerfile).unwrap();
-        fs::write(ctx.path().join("busybox"), &busybox).unwrap();
-        fs::write(ctx.path().join("v"), format!("{nonce}\n")).unwrap();
-        let c = ctx.path().display().to_string();
         let start = node.rec.now();
-        let built = status(node.buildkit.buildctl([
-            "build".to_string(),
-            "--frontend".into(),
-            "dockerfile.v0".into(),
-            "--local".into(),
-            format!("context={c}"),
-            "--local".into(),
-            format!("dockerfile={c}"),
-            "--output".into(),
-            format!("type=image,name={name}"),
-        ]));
+        let built = status(node.buildkit.try_build(
+            &dockerfile,
+            &[
+                ("busybox", &busybox),
+                ("v", format!("{nonce}\n").as_bytes()),
+            ],
+            &format!("type=image,name={name}"),
+            &[],
+        ));
         // A rebuilt tag is not consumed: the GC would race the next build.
         let source = (kind != "rebuild").then_some("buildkit");
         finish(&node, "build", kind, &name, start, built, &nonce, source);

@@ -354,6 +354,25 @@ impl Buildkitd {
     /// `buildctl build` of `dockerfile` with `files` as its context and
     /// `--output <output>`; panics with buildkitd's log on failure.
     pub fn build(&self, dockerfile: &str, files: &[(&str, &[u8])], output: &str, extra: &[&str]) {
+        let out = self.try_build(dockerfile, files, output, extra);
+        if !out.status.success() {
+            panic!(
+                "buildctl build --output {output} failed:\n{}\n--- buildkitd log ---\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                self.daemon.log_tail(40)
+            );
+        }
+    }
+
+    /// [`Buildkitd::build`] that returns buildctl's output, whatever it
+    /// is (the soak counts failures rather than stopping at the first).
+    pub fn try_build(
+        &self,
+        dockerfile: &str,
+        files: &[(&str, &[u8])],
+        output: &str,
+        extra: &[&str],
+    ) -> Output {
         let ctx = tempdir("build-ctx-");
         fs::write(ctx.path().join("Dockerfile"), dockerfile).unwrap();
         for (name, data) in files {
@@ -372,14 +391,7 @@ impl Buildkitd {
             output.into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let out = self.buildctl(&args);
-        if !out.status.success() {
-            panic!(
-                "buildctl {args:?} failed:\n{}\n--- buildkitd log ---\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                self.daemon.log_tail(40)
-            );
-        }
+        self.buildctl(&args)
     }
 
     pub fn dir(&self) -> &Path {
