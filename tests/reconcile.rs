@@ -428,3 +428,57 @@ async fn transfer_tag_into_source_namespace_is_replicated_before_reply() {
     );
     drop(tx);
 }
+
+/// A lease released while containerd is down (SIGKILLed under an import,
+/// an upload, a replication) is released once containerd is back, the
+/// half-written ingest under it aborted: the hour's soak found one such
+/// lease per few containerd kills, each holding its bytes until its expiry
+/// (four hours for an import; docs/reliability.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_released_while_containerd_is_down_goes_once_it_is_back() {
+    use imgbridge::containerd::content::IngestStart;
+    let mut c = Scenario::cri().containerd();
+    let lib = imgbridge::containerd::Containerd::new(c.socket());
+    let lease = lib.lease(K8S, Duration::from_secs(4 * 3600)).await.unwrap();
+    let id = lease.id().to_string();
+    let data = vec![7u8; 4 << 20];
+    let digest = imgbridge_test_support::grpc::sha256_digest(&data);
+    let IngestStart::Open(mut ingest) = lib
+        .open_ingest(K8S, Some(&id), Some(&digest), 2 * data.len() as i64)
+        .await
+        .unwrap()
+    else {
+        panic!("a new blob is opened, not present");
+    };
+    ingest.write(data).await.unwrap();
+    let half = poll(imgbridge_test_support::util::READY_TIMEOUT, || {
+        c.ingests(K8S).iter().any(|&o| o >= 4 << 20).then_some(())
+    });
+    assert!(half.is_some(), "the ingest never reached containerd");
+
+    let held = |(leases, ingests): imgbridge_test_support::grpc::LeasesAndIngests| {
+        let mine: Vec<_> = leases.into_iter().filter(|(_, l, _)| *l == id).collect();
+        (mine, ingests)
+    };
+    let (mine, ingests) = held(leases_and_ingests(c.socket()).await);
+    assert!(
+        !mine.is_empty() && !ingests.is_empty(),
+        "nothing to release (leases {mine:?}, ingests {ingests:?})"
+    );
+
+    c.kill9();
+    drop(ingest);
+    lease.release().await;
+    c.restart();
+    let gone = poll_async(Duration::from_secs(10), || async {
+        let (mine, ingests) = held(leases_and_ingests(c.socket()).await);
+        (mine.is_empty() && ingests.is_empty()).then_some(())
+    })
+    .await;
+    let (mine, ingests) = held(leases_and_ingests(c.socket()).await);
+    assert!(
+        gone.is_some(),
+        "10 s after containerd was back, the lease released while it was down is still there: \
+         leases {mine:?}, ingests {ingests:?}"
+    );
+}

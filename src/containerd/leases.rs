@@ -5,7 +5,9 @@
 //! Every lease imgbridge makes carries its maker's [`owner`] id, so a
 //! later imgbridge can tell a dead one's leases (and the ingests under
 //! them) from a live one's and release them at once
-//! ([`super::orphans`]), rather than leave them to their expiry.
+//! ([`super::orphans`]), rather than leave them to their expiry. A lease
+//! whose release found containerd gone (restarting, SIGKILLed) is released
+//! again once it answers ([`Containerd::release_lease`]).
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -15,7 +17,9 @@ use containerd_client::services::v1::{
     AddResourceRequest, CreateRequest, DeleteRequest, ListRequest, ListResourcesRequest, Resource,
 };
 
+use super::breaker::broke_connection;
 use super::{request, Containerd, Error, Result};
+use crate::backoff::Backoff;
 use crate::labels::{EXPIRE, OWNER};
 
 /// This process's id among imgbridges: random, once per process.
@@ -40,10 +44,11 @@ impl Lease {
         &self.id
     }
 
-    /// Deletes the lease now (best effort: it expires anyway).
+    /// Deletes the lease now, or once containerd is back
+    /// ([`Containerd::release_lease`]).
     pub async fn release(mut self) {
         self.armed = false;
-        delete_quietly(&self.c, &self.ns, &self.id).await;
+        self.c.release_lease(&self.ns, &self.id).await;
     }
 }
 
@@ -60,15 +65,23 @@ impl Drop for Lease {
             std::mem::take(&mut self.ns),
             std::mem::take(&mut self.id),
         );
-        rt.spawn(async move { delete_quietly(&c, &ns, &id).await });
+        rt.spawn(async move { c.release_lease(&ns, &id).await });
     }
 }
 
-async fn delete_quietly(c: &Containerd, ns: &str, id: &str) {
-    if let Err(e) = c.delete_lease(ns, id).await {
-        if !e.is(tonic::Code::NotFound) {
-            tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
+/// Retries of a release that found containerd gone: soon after a restart
+/// (which takes it well under a second), then at most every 30 s.
+const RELEASE_RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(30));
+
+/// Did the call fail because containerd was not there to answer (not
+/// listening, or its connection broke under the call)? Such a call may be
+/// sent again once it is back; any other answer is containerd's word.
+fn unreachable(e: &Error) -> bool {
+    match e {
+        Error::Status { status, .. } => {
+            status.code() == tonic::Code::Unavailable || broke_connection(status)
         }
+        Error::Protocol(_) | Error::Refused { .. } => false,
     }
 }
 
@@ -137,6 +150,73 @@ impl Containerd {
                 "Leases.AddResource {digest} to {id} in {ns}"
             )))?;
         Ok(())
+    }
+
+    /// Releases lease `id` of this process: deleted now, or, when
+    /// containerd cannot be reached (a restart, a SIGKILL), again from a
+    /// task of its own once it answers, the ingests under it aborted first
+    /// ([`Self::end_lease`]). Left to its expiry, such a lease held what it
+    /// leased, a half-written ingest included, for up to four hours (the
+    /// soak found one per few containerd kills: docs/reliability.md).
+    pub async fn release_lease(&self, ns: &str, id: &str) {
+        let item = format!("lease {id}");
+        match self
+            .guarded("Leases.Delete", ns, &item, self.delete_lease(ns, id))
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if e.is(tonic::Code::NotFound) => {}
+            Err(e) if unreachable(&e) => {
+                let (c, ns, id) = (self.clone(), ns.to_string(), id.to_string());
+                tokio::spawn(async move { c.release_when_back(&ns, &id).await });
+            }
+            Err(e) => {
+                tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
+            }
+        }
+    }
+
+    /// Retries [`Self::end_lease`] while containerd is unreachable. Each
+    /// try is a guarded write: one that broke the connection is held back,
+    /// and after a second break not sent again ([`super::breaker`]).
+    async fn release_when_back(&self, ns: &str, id: &str) {
+        let mut backoff = RELEASE_RETRY;
+        let item = format!("lease {id}");
+        loop {
+            tokio::time::sleep(backoff.next_delay()).await;
+            match self
+                .guarded("Leases.Delete", ns, &item, self.end_lease(ns, id))
+                .await
+            {
+                Ok(ingests) => {
+                    tracing::info!(lease = %id, namespace = %ns, ingests, "released a lease containerd was not there to release");
+                    return;
+                }
+                Err(e) if unreachable(&e) => {}
+                Err(e) => {
+                    tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Aborts the ingests lease `id` holds (their bytes stay on disk until
+    /// aborted or the lease's GC runs), then deletes it; a lease already
+    /// gone is done. Returns the ingests aborted.
+    pub async fn end_lease(&self, ns: &str, id: &str) -> Result<usize> {
+        let ingests = match self.leased_ingests(ns, id).await {
+            Ok(refs) => refs,
+            Err(e) if e.is(tonic::Code::NotFound) => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        for r in &ingests {
+            self.abort_ingest(ns, Some(id), r).await;
+        }
+        match self.delete_lease(ns, id).await {
+            Err(e) if !e.is(tonic::Code::NotFound) => Err(e),
+            _ => Ok(ingests.len()),
+        }
     }
 
     /// Releases a lease; GC runs asynchronously (not `sync`).

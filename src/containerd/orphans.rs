@@ -92,15 +92,7 @@ pub async fn sweep(c: &Containerd, dir: &Path) -> Result<Swept> {
                 kept.push(id.clone());
                 continue;
             };
-            for r in c.leased_ingests(&ns, &l.id).await? {
-                c.abort_ingest(&ns, Some(&l.id), &r).await;
-                swept.ingests += 1;
-            }
-            if let Err(e) = c.delete_lease(&ns, &l.id).await {
-                if !e.is(tonic::Code::NotFound) {
-                    return Err(e);
-                }
-            }
+            swept.ingests += c.end_lease(&ns, &l.id).await?;
             swept.leases += 1;
             if !done.contains(id) {
                 done.push(id.clone());

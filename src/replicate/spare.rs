@@ -121,11 +121,10 @@ impl Spares {
         }
     }
 
-    /// Deletes a lease; one that cannot be deleted expires on its own.
+    /// Deletes a lease, now or once containerd is back
+    /// ([`Containerd::release_lease`]).
     pub async fn delete(&self, target: &str, id: &str) {
-        if let Err(e) = self.c.delete_lease(target, id).await {
-            tracing::warn!(lease = %id, target, error = %e, "could not delete a lease; it expires on its own");
-        }
+        self.c.release_lease(target, id).await;
     }
 }
 
