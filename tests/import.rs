@@ -74,6 +74,16 @@ mod harness {
         pub fn ctr(&self, args: &[&str]) -> String {
             self.inner.ctr_ok("k8s.io", args)
         }
+
+        /// SIGKILL, as a crash.
+        pub fn kill9(&mut self) {
+            self.inner.kill9();
+        }
+
+        /// Starts it again on the same root; returns once CRI serves.
+        pub fn restart(&mut self) {
+            self.inner.restart();
+        }
     }
 
     /// The loopback `docker-registry` (the shared harness's), one per test process.
@@ -694,6 +704,37 @@ async fn pull_list_retry_and_line_removal() {
     wait_unpinned(&c, &first).await;
     assert!(usable(&c, &first).await);
     assert!(pinned(&c, &later).await);
+    r.stop().await;
+}
+
+/// A pull list rewritten while containerd is down: the image that left it
+/// could not be unpinned then, and is once containerd is back (it stayed
+/// pinned for good before, out of kubelet's GC's reach: the hour's soak
+/// left one per few containerd kills, docs/reliability.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_leaving_a_list_while_containerd_is_down_is_unpinned_once_it_is_back() {
+    let (mut ctd, c, tmp, dir) = stage().await;
+    let first = push("c", "lib/down-first:1");
+    let next = push("d", "lib/down-next:1");
+    std::fs::write(dir.join("list.txt"), format!("{first}\n")).unwrap();
+    let r = Running::start(&c, &[&dir], &tmp.path().join("state.json"), None);
+    wait_usable_pinned(&c, &first).await;
+    let failed = r.get(|s| &s.pull_failures);
+
+    ctd.kill9();
+    std::fs::write(dir.join("list.txt"), format!("{next}\n")).unwrap();
+    // The new list was read (its pull failed: containerd is down), so the
+    // unpin of the image that left it was tried, and failed, too.
+    poll(
+        "the rewritten list read while containerd is down",
+        30,
+        || async { r.get(|s| &s.pull_failures) > failed },
+    )
+    .await;
+    ctd.restart();
+    wait_usable_pinned(&c, &next).await;
+    wait_unpinned(&c, &first).await;
+    assert!(usable(&c, &first).await, "unpinned, not removed");
     r.stop().await;
 }
 

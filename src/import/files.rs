@@ -158,7 +158,9 @@ impl Importer {
                 .filter(|n| !images.contains_key(*n))
                 .cloned()
                 .collect();
-            self.unpin_names(&path, prev, &gone).await;
+            if !self.unpin_names(&path, prev, &gone).await {
+                self.strays = self.strays.owed(0);
+            }
         }
         let error = (!o.failures.is_empty()).then(|| o.failures.join("; "));
         self.record(
@@ -381,7 +383,9 @@ impl Importer {
         if !gone.is_empty() {
             tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", gone)), "left the pull list");
         }
-        self.unpin_names(path, prev, &gone).await;
+        if !self.unpin_names(path, prev, &gone).await {
+            self.strays = self.strays.owed(0);
+        }
         images.retain(|n, _| wanted.contains(n));
         images
     }
@@ -538,6 +542,49 @@ impl Importer {
             }
             tracing::info!(file = %esc(k.display()), "source removed");
             self.file_ok(&k, "");
+        }
+    }
+
+    /// Unpins what a file's pin label still names but the file no longer
+    /// provides: an earlier version's images whose unpin failed (the file
+    /// changed while containerd was down: the hour's soak left them pinned
+    /// for good, out of kubelet's GC's reach, docs/reliability.md), or a
+    /// pin made just before imgbridge stopped. Runs in the importer's loop,
+    /// so no import of the file is half recorded meanwhile; owed again
+    /// with a back-off while containerd fails.
+    pub(super) async fn sweep_strays(&mut self, attempt: u32) {
+        let files: Vec<(PathBuf, FileState)> = self
+            .state
+            .files
+            .iter()
+            .map(|(p, f)| (p.clone(), f.clone()))
+            .collect();
+        let mut listed: HashMap<String, Vec<Image>> = HashMap::new();
+        let mut ok = true;
+        for (path, f) in files {
+            if !listed.contains_key(&f.namespace) {
+                match self.c.list_images(&f.namespace, Vec::new()).await {
+                    Ok(images) => {
+                        listed.insert(f.namespace.clone(), images);
+                    }
+                    Err(e) => {
+                        tracing::debug!(namespace = %f.namespace, error = %esc(&e), "cannot list images to look for stale pins; trying again later");
+                        ok = false;
+                        continue;
+                    }
+                }
+            }
+            let stale: Vec<String> = pin::pinned_by(&listed[&f.namespace], &f.hash)
+                .filter(|n| !f.images.contains_key(*n))
+                .map(str::to_owned)
+                .collect();
+            if !stale.is_empty() {
+                tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", stale)), "pinned for a file that no longer provides them");
+                ok &= self.unpin_names(&path, &f, &stale).await;
+            }
+        }
+        if !ok {
+            self.strays = self.strays.owed(attempt + 1);
         }
     }
 

@@ -44,6 +44,9 @@ const RETRY_BASE: Duration = Duration::from_secs(5);
 const RETRY_MAX: Duration = Duration::from_secs(300);
 /// A file whose import failed for a passing reason is retried after this.
 const RETRY: Backoff = Backoff::new(RETRY_BASE, RETRY_MAX);
+/// Long enough for the files' first look after start to have recorded
+/// every image they still provide (present ones are found at once).
+const STRAYS_AFTER_START: Duration = Duration::from_secs(60);
 /// Nested directory depth we follow (symlink loops end here).
 const MAX_DIR_DEPTH: usize = 16;
 
@@ -370,6 +373,40 @@ struct ListTask {
     cancel: CancellationToken,
 }
 
+/// When the pins no file provides any more are looked for
+/// ([`Importer::sweep_strays`]): once [`STRAYS_AFTER_START`] after start
+/// (an unpin owed by the previous run is not in the state file), and after
+/// an unpin that failed, again with [`RETRY`]'s back-off until one goes
+/// through.
+#[derive(Clone, Copy, Debug)]
+enum Strays {
+    /// Nothing owed.
+    Clear,
+    Due {
+        at: Instant,
+        attempt: u32,
+    },
+}
+
+impl Strays {
+    fn due(self) -> Option<Instant> {
+        match self {
+            Strays::Clear => None,
+            Strays::Due { at, .. } => Some(at),
+        }
+    }
+
+    /// Owed after attempt `attempt` failed (or an unpin elsewhere did):
+    /// an earlier due time stands.
+    fn owed(self, attempt: u32) -> Strays {
+        let at = Instant::now() + RETRY.nth(attempt);
+        match self {
+            Strays::Due { at: sooner, .. } if sooner <= at => self,
+            _ => Strays::Due { at, attempt },
+        }
+    }
+}
+
 /// The directory import service: owns the state file, the watcher, the
 /// debounce table and the pull-list tasks.
 pub struct Importer {
@@ -387,4 +424,5 @@ pub struct Importer {
     /// Paths refused as not regular files, by the stamp they had: warned
     /// once, looked at again only when they change.
     refused: HashMap<PathBuf, Stamp>,
+    strays: Strays,
 }

@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use super::state::{FileKind, FileState, Stamp, State};
 use super::watch::{DirWatcher, Signal};
 use super::{
-    esc, supported, Count, ImportObserver, Importer, Pending, MAX_DIR_DEPTH, RESCAN_EVERY,
+    esc, supported, Count, ImportObserver, Importer, Pending, Strays, MAX_DIR_DEPTH, RESCAN_EVERY,
+    STRAYS_AFTER_START,
 };
 use crate::config::{Import, ImportDir};
 use crate::containerd::Containerd;
@@ -36,6 +37,10 @@ impl Importer {
             pull_rx,
             warned_list_ns: HashSet::new(),
             refused: HashMap::new(),
+            strays: Strays::Due {
+                at: Instant::now() + STRAYS_AFTER_START,
+                attempt: 0,
+            },
         }
     }
 
@@ -89,6 +94,7 @@ impl Importer {
                 .pending
                 .values()
                 .map(|p| p.due)
+                .chain(self.strays.due())
                 .min()
                 .unwrap_or_else(|| Instant::now() + RESCAN_EVERY);
             tokio::select! {
@@ -307,6 +313,15 @@ impl Importer {
 
     pub(super) async fn process_due(&mut self, shutdown: &CancellationToken) {
         let now = Instant::now();
+        if let Strays::Due { at, attempt } = self.strays {
+            if at <= now {
+                self.strays = Strays::Clear;
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = self.sweep_strays(attempt) => {}
+                }
+            }
+        }
         let mut due: Vec<PathBuf> = self
             .pending
             .iter()
