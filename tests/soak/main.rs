@@ -60,7 +60,8 @@ pub struct Node {
     /// The running imgbridge's pid (`None` while it is down).
     pub ib_pid: Mutex<Option<u32>>,
     pub stop: AtomicBool,
-    pub consumed: Mutex<Vec<workload::Consumed>>,
+    /// Images the work wrote, oldest first, for the GC worker to delete.
+    pub made: Mutex<Vec<workload::Made>>,
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -155,7 +156,7 @@ path = "{watch}"
         nerdctl,
         ib_pid: Mutex::new(Some(p.pid())),
         stop: AtomicBool::new(false),
-        consumed: Mutex::default(),
+        made: Mutex::default(),
     });
 
     let workers: Vec<(&str, thread::JoinHandle<()>)> = vec![

@@ -35,6 +35,9 @@ pub struct Drained {
     /// What is left, by kind: leases by namespace and id shape, ingests,
     /// the images of `k8s.io`.
     pub leftovers: String,
+    /// Leases left by neither imgbridge nor buildkitd (whose namespace is
+    /// its own): namespace, id, and when made (seconds into the run).
+    pub others: Vec<(String, String, f64)>,
 }
 
 /// What imgbridge holds in containerd: its leases that hold something,
@@ -99,6 +102,50 @@ fn holdings(node: &Node) -> Option<Holdings> {
                 .count();
         }
         Some(h)
+    })
+}
+
+/// Leases outside buildkitd's namespace that carry no imgbridge owner:
+/// `(namespace, id, made at, seconds into the run)`.
+fn other_leases(node: &Node) -> Vec<(String, String, f64)> {
+    use containerd_client::services::v1::{
+        leases_client::LeasesClient, namespaces_client::NamespacesClient, ListNamespacesRequest,
+        ListRequest,
+    };
+    use imgbridge_test_support::grpc::with_ns;
+    let (sock, wall0) = (node.ctd_sock.clone(), node.rec.wall0);
+    imgbridge_test_support::util::block_on_thread(async move {
+        let mut out = Vec::new();
+        let Ok(ch) = imgbridge_test_support::grpc::try_containerd_channel(&sock).await else {
+            return out;
+        };
+        let Ok(nss) = NamespacesClient::new(ch.clone())
+            .list(ListNamespacesRequest::default())
+            .await
+        else {
+            return out;
+        };
+        for ns in nss.into_inner().namespaces.into_iter().map(|n| n.name) {
+            if ns.starts_with("buildkit") {
+                continue;
+            }
+            let Ok(list) = LeasesClient::new(ch.clone())
+                .list(with_ns(ListRequest::default(), &ns))
+                .await
+            else {
+                continue;
+            };
+            for l in list.into_inner().leases {
+                if l.labels.contains_key("io.imgbridge.owner") {
+                    continue;
+                }
+                let made = l.created_at.map_or(f64::NAN, |t| {
+                    t.seconds as f64 + f64::from(t.nanos) / 1e9 - wall0
+                });
+                out.push((ns.clone(), l.id, made));
+            }
+        }
+        out
     })
 }
 
@@ -260,11 +307,11 @@ fn leftovers(node: &Node) -> String {
     s
 }
 
-/// Stops the work's leftovers as a user would (consumed images deleted at
+/// Stops the work's leftovers as a user would (the images it made deleted at
 /// their source, one GC pass) and waits for imgbridge to let go.
 pub fn drain(node: &Node) -> Drained {
-    let consumed: Vec<_> = node.consumed.lock().unwrap().drain(..).collect();
-    for c in consumed {
+    let made: Vec<_> = node.made.lock().unwrap().drain(..).collect();
+    for c in made {
         if let Some(ns) = c.source_ns {
             let _ = ctr(&node.ib_sock, ns, ["images", "rm", &c.name]);
         }
@@ -323,6 +370,7 @@ pub fn drain(node: &Node) -> Drained {
         orphans,
         pinned_orphans: pinned_orphans(node, &src),
         leftovers: leftovers(node),
+        others: other_leases(node),
     }
 }
 
@@ -569,13 +617,6 @@ impl Report {
             8.0,
         );
         flat(
-            "containerd leases (but buildkitd's cache and history) flat",
-            "leases",
-            1.0,
-            series(&|s| s.leases, false),
-            4.0,
-        );
-        flat(
             "leases held by imgbridge flat",
             "leases",
             1.0,
@@ -619,6 +660,37 @@ impl Report {
                 d.leases,
             ),
             drained.secs.is_some(),
+        );
+
+        // Leases neither imgbridge's nor buildkitd's: containerd's CRI
+        // makes one per RunPodSandbox (id: the sandbox's) and deletes it
+        // when the sandbox fails or goes; a containerd stopped in between
+        // leaves it for good (internal/cri/server/sandbox_run.go). Those
+        // are containerd's; any other is not explained.
+        let stopped = |t: f64| {
+            faults.iter().any(|f| {
+                matches!(f.kind, "containerd-restart" | "containerd-sigkill")
+                    && t >= f.t - 1.0
+                    && t <= f.t + f.took + 2.0
+            })
+        };
+        let unexplained: Vec<_> = drained
+            .others
+            .iter()
+            .filter(|(_, _, t)| !stopped(*t))
+            .collect();
+        add(
+            "leases left by neither imgbridge nor buildkitd were made as containerd was stopped",
+            format!(
+                "{} left, {} made within 2 s of a containerd stop (CRI's sandbox leases: containerd's own){}",
+                drained.others.len(),
+                drained.others.len() - unexplained.len(),
+                unexplained
+                    .iter()
+                    .map(|(ns, id, t)| format!("; {ns} {id} made at {t:.1} s"))
+                    .collect::<String>()
+            ),
+            unexplained.is_empty(),
         );
 
         // Warnings and errors, each within some fault's window.

@@ -19,8 +19,11 @@ use rand::{Rng, SeedableRng};
 use crate::record::{Call, Outcome};
 use crate::Node;
 
-/// Images whose pod ran and that the GC may take once their source is gone.
-pub struct Consumed {
+/// An image the work wrote, whatever its call returned (a build cut by a
+/// containerd kill may have written its image all the same): the GC
+/// worker deletes it at its source once done with it, as a user would,
+/// and kubelet's GC may then take the replica.
+pub struct Made {
     /// Where the image's source record lives (`None`: an import, whose
     /// file the importer owns).
     pub source_ns: Option<&'static str>,
@@ -62,7 +65,6 @@ fn finish(
             other => (other, None),
         },
     };
-    let ran = matches!(pod_run, Some(Ok(())));
     node.rec.call(Call {
         start,
         end,
@@ -73,8 +75,8 @@ fn finish(
         outcome,
         pod: pod_run,
     });
-    if ran {
-        node.consumed.lock().unwrap().push(Consumed {
+    {
+        node.made.lock().unwrap().push(Made {
             source_ns,
             name: name.to_string(),
         });
@@ -295,10 +297,11 @@ pub fn importer(node: Arc<Node>, seed: u64) {
     }
 }
 
-/// Deletes consumed images in their source namespace through imgbridge
-/// (a user's `nerdctl rmi`: imgbridge unpins the replica), then removes
-/// every unpinned soak image from `k8s.io` through CRI as kubelet's image
-/// GC does. The newest few are kept.
+/// Deletes the images the work made in their source namespace through
+/// imgbridge (a user's `nerdctl rmi`: imgbridge unpins the replica), a
+/// delete that failed (a fault) again on the next pass, then removes every
+/// unpinned soak image from `k8s.io` through CRI as kubelet's image GC
+/// does. The newest few are kept.
 pub fn gc(node: Arc<Node>) {
     const KEEP: usize = 4;
     let mut pass = 0u64;
@@ -308,29 +311,34 @@ pub fn gc(node: Arc<Node>) {
             // buildkitd's own GC, as a node runs it: unused cache goes.
             let _ = node.buildkit.buildctl(["prune", "--keep-duration", "30s"]);
         }
-        let old: Vec<Consumed> = {
-            let mut q = node.consumed.lock().unwrap();
+        let old: Vec<Made> = {
+            let mut q = node.made.lock().unwrap();
             let n = q.len().saturating_sub(KEEP);
             q.drain(..n).collect()
         };
-        for c in &old {
+        let mut again = Vec::new();
+        for c in old {
             if let Some(ns) = c.source_ns {
                 let start = node.rec.now();
                 let out = ctr(&node.ib_sock, ns, ["images", "rm", &c.name]);
-                if !out.status.success() {
+                let err = String::from_utf8_lossy(&out.stderr);
+                // A failed build may have written nothing: not found is done.
+                if !out.status.success() && !err.contains("not found") {
                     node.rec.call(Call {
                         start,
                         end: node.rec.now(),
                         worker: "gc",
                         kind: "source-delete".into(),
                         name: c.name.clone(),
-                        outcome: Outcome::Failed(String::from_utf8_lossy(&out.stderr).into()),
+                        outcome: Outcome::Failed(err.into()),
                         cri_ms: None,
                         pod: None,
                     });
+                    again.push(c);
                 }
             }
         }
+        node.made.lock().unwrap().splice(0..0, again);
         collect_unpinned(&node);
         // The GC's period (kubelet runs its image GC every 5 minutes).
         std::thread::sleep(Duration::from_secs(3));
