@@ -553,12 +553,7 @@ impl Importer {
     /// so no import of the file is half recorded meanwhile; owed again
     /// with a back-off while containerd fails.
     pub(super) async fn sweep_strays(&mut self, attempt: u32) {
-        let files: Vec<(PathBuf, FileState)> = self
-            .state
-            .files
-            .iter()
-            .map(|(p, f)| (p.clone(), f.clone()))
-            .collect();
+        let files = self.state.entries();
         let mut listed: HashMap<String, Vec<Image>> = HashMap::new();
         let mut ok = true;
         for (path, f) in files {

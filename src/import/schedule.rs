@@ -129,12 +129,7 @@ impl Importer {
     /// Checks recorded images still exist as recorded; files whose images
     /// vanished (kubelet GC, `ctr rm`) are imported again even if unchanged.
     pub(super) async fn startup(&mut self) {
-        let files: Vec<(PathBuf, FileState)> = self
-            .state
-            .files
-            .iter()
-            .map(|(p, f)| (p.clone(), f.clone()))
-            .collect();
+        let files = self.state.entries();
         for (path, f) in files {
             let Some(root) = self.root_of(&path) else {
                 continue;

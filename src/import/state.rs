@@ -174,6 +174,14 @@ impl State {
             .collect()
     }
 
+    /// Every entry, copied: for a pass that changes the state as it goes.
+    pub fn entries(&self) -> Vec<(PathBuf, FileState)> {
+        self.files
+            .iter()
+            .map(|(p, f)| (p.clone(), f.clone()))
+            .collect()
+    }
+
     /// Entries at `path` or below it.
     pub fn under(&self, path: &Path) -> Vec<PathBuf> {
         self.files
