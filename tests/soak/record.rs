@@ -27,6 +27,9 @@ pub struct Call {
     pub cri_ms: Option<u64>,
     /// Whether the pod started from the image printed what it must.
     pub pod: Option<Result<(), String>>,
+    /// When the pod's attempt ended (`end` without one): a pod runs after
+    /// the write returned, so a fault after the write can still explain it.
+    pub pod_end: f64,
 }
 
 /// How a write ended.
@@ -105,6 +108,8 @@ pub struct Sample {
     pub ingests: Option<u64>,
     pub images_src: Option<u64>,
     pub images_k8s: Option<u64>,
+    /// Of them, those CRI reports pinned: kubelet's GC cannot take them.
+    pub pinned_k8s: Option<u64>,
     pub pending_blobs: Option<u64>,
     pub import_pending: Option<u64>,
 }
@@ -177,12 +182,12 @@ impl Record {
     pub fn write_tsv(&self, dir: &Path) {
         let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
         let mut s = String::from(
-            "t_s\tpid\trss_kib\tfds\tthreads\tstreams\tleases\timgbridge_leases\tingests\timages_src\timages_k8s\tpending_blobs\timport_pending\tbuildkit_leases\ttasks\n",
+            "t_s\tpid\trss_kib\tfds\tthreads\tstreams\tleases\timgbridge_leases\tingests\timages_src\timages_k8s\tpending_blobs\timport_pending\tbuildkit_leases\ttasks\tpinned_k8s\n",
         );
         for x in self.samples.lock().unwrap().iter() {
             let _ = writeln!(
                 s,
-                "{:.1}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                "{:.1}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                 x.t,
                 opt(x.pid.map(u64::from)),
                 opt(x.rss_kib),
@@ -198,6 +203,7 @@ impl Record {
                 opt(x.import_pending),
                 opt(x.buildkit_leases),
                 opt(x.tasks),
+                opt(x.pinned_k8s),
             );
         }
         fs::write(dir.join("samples.tsv"), s).unwrap();
@@ -231,7 +237,7 @@ impl Record {
             let bad = !matches!(c.outcome, Outcome::Ok) || matches!(c.pod, Some(Err(_)));
             let explained = match bad {
                 false => "-",
-                true if self.explained(c.start, c.end) => "yes",
+                true if self.explained(c.start, c.pod_end) => "yes",
                 true => "no",
             };
             let _ = writeln!(

@@ -74,6 +74,7 @@ fn finish(
         cri_ms: matches!(outcome, Outcome::Ok).then_some(0),
         outcome,
         pod: pod_run,
+        pod_end: node.rec.now(),
     });
     {
         node.made.lock().unwrap().push(Made {
@@ -170,6 +171,7 @@ pub fn builder(node: Arc<Node>, seed: u64) {
                     outcome: Outcome::Failed(e.clone()),
                     cri_ms: None,
                     pod: None,
+                    pod_end: node.rec.now(),
                 });
             }
         }
@@ -293,6 +295,7 @@ pub fn importer(node: Arc<Node>, seed: u64) {
             outcome,
             cri_ms,
             pod: pod_run,
+            pod_end: node.rec.now(),
         });
     }
 }
@@ -333,6 +336,7 @@ pub fn gc(node: Arc<Node>) {
                         outcome: Outcome::Failed(err.into()),
                         cri_ms: None,
                         pod: None,
+                        pod_end: node.rec.now(),
                     });
                     again.push(c);
                 }

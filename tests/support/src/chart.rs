@@ -31,7 +31,9 @@ pub fn pull_events(cp: &ControlPlane, ns: &str, name: &str) -> Vec<String> {
     cp.events(ns, name)
         .into_iter()
         .filter(|e| {
-            e.starts_with("Pulling") || e.contains("ErrImageNeverPull") || e.starts_with("Failed")
+            // Reason `Failed` is kubelet's failed pull; `FailedMount` and
+            // the like (a loaded API server's slow ConfigMap sync) are not.
+            e.starts_with("Pulling") || e.contains("ErrImageNeverPull") || e.starts_with("Failed:")
         })
         .collect()
 }
