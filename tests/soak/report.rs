@@ -259,7 +259,7 @@ fn leftovers(node: &Node) -> String {
         }
         for (k, n) in by {
             // buildkitd's own cache and history, each a lease per record.
-            if !k.starts_with("buildkit") {
+            if !k.starts_with("buildkit") || k.contains(" imgbridge ") {
                 let _ = writeln!(s, "  lease {k}: {n}");
             }
         }
