@@ -17,7 +17,6 @@ use containerd_client::services::v1::{
     AddResourceRequest, CreateRequest, DeleteRequest, ListRequest, ListResourcesRequest, Resource,
 };
 
-use super::breaker::broke_connection;
 use super::{request, Containerd, Error, Result};
 use crate::backoff::Backoff;
 use crate::labels::{EXPIRE, OWNER};
@@ -72,18 +71,6 @@ impl Drop for Lease {
 /// Retries of a release that found containerd gone: soon after a restart
 /// (which takes it well under a second), then at most every 30 s.
 const RELEASE_RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(30));
-
-/// Did the call fail because containerd was not there to answer (not
-/// listening, or its connection broke under the call)? Such a call may be
-/// sent again once it is back; any other answer is containerd's word.
-fn unreachable(e: &Error) -> bool {
-    match e {
-        Error::Status { status, .. } => {
-            status.code() == tonic::Code::Unavailable || broke_connection(status)
-        }
-        Error::Protocol(_) | Error::Refused { .. } => false,
-    }
-}
 
 /// A lease as containerd lists it.
 #[derive(Clone, Debug)]
@@ -166,7 +153,7 @@ impl Containerd {
         {
             Ok(()) => {}
             Err(e) if e.is(tonic::Code::NotFound) => {}
-            Err(e) if unreachable(&e) => {
+            Err(e) if e.unreachable() => {
                 let (c, ns, id) = (self.clone(), ns.to_string(), id.to_string());
                 tokio::spawn(async move { c.release_when_back(&ns, &id).await });
             }
@@ -192,7 +179,7 @@ impl Containerd {
                     tracing::info!(lease = %id, namespace = %ns, ingests, "released a lease containerd was not there to release");
                     return;
                 }
-                Err(e) if unreachable(&e) => {}
+                Err(e) if e.unreachable() => {}
                 Err(e) => {
                     tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
                     return;

@@ -65,6 +65,18 @@ impl Error {
     pub fn is(&self, code: tonic::Code) -> bool {
         self.code() == Some(code)
     }
+
+    /// Did the call fail because containerd was not there to answer (not
+    /// listening, or its connection broke under the call)? Such a call may
+    /// be sent again once it is back; any other answer is containerd's word.
+    pub fn unreachable(&self) -> bool {
+        match self {
+            Error::Status { status, .. } => {
+                status.code() == tonic::Code::Unavailable || breaker::broke_connection(status)
+            }
+            Error::Protocol(_) | Error::Refused { .. } => false,
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

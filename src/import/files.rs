@@ -504,26 +504,9 @@ impl Importer {
             };
             self.state_dirty = true;
             let mut names: Vec<String> = f.images.keys().cloned().collect();
-            // Pins the state does not list (imgbridge stopped between a
-            // pin and the save that records it): their label names the file.
-            if !listed.contains_key(&f.namespace) {
-                let images = self.c.list_images(&f.namespace, Vec::new()).await;
-                if let Err(e) = &images {
-                    tracing::warn!(file = %esc(k.display()), error = %esc(e), "cannot list the images the file pinned");
-                }
-                listed.insert(f.namespace.clone(), images.ok());
-            }
-            let swept = match listed.get(&f.namespace).and_then(Option::as_ref) {
-                Some(images) => {
-                    let more = pin::pinned_by(images, &f.hash);
-                    names.extend(
-                        more.filter(|n| !f.images.contains_key(*n))
-                            .map(str::to_owned),
-                    );
-                    true
-                }
-                None => false,
-            };
+            let unrecorded = self.unrecorded_pins(&mut listed, &f).await;
+            let swept = unrecorded.is_some();
+            names.extend(unrecorded.into_iter().flatten());
             if !(self.unpin_names(&k, &f, &names).await && swept) {
                 // containerd unreachable: keep the record and try again.
                 self.state.files.insert(k.clone(), f);
@@ -553,26 +536,13 @@ impl Importer {
     /// so no import of the file is half recorded meanwhile; owed again
     /// with a back-off while containerd fails.
     pub(super) async fn sweep_strays(&mut self, attempt: u32) {
-        let files = self.state.entries();
-        let mut listed: HashMap<String, Vec<Image>> = HashMap::new();
+        let mut listed = HashMap::new();
         let mut ok = true;
-        for (path, f) in files {
-            if !listed.contains_key(&f.namespace) {
-                match self.c.list_images(&f.namespace, Vec::new()).await {
-                    Ok(images) => {
-                        listed.insert(f.namespace.clone(), images);
-                    }
-                    Err(e) => {
-                        tracing::debug!(namespace = %f.namespace, error = %esc(&e), "cannot list images to look for stale pins; trying again later");
-                        ok = false;
-                        continue;
-                    }
-                }
-            }
-            let stale: Vec<String> = pin::pinned_by(&listed[&f.namespace], &f.hash)
-                .filter(|n| !f.images.contains_key(*n))
-                .map(str::to_owned)
-                .collect();
+        for (path, f) in self.state.entries() {
+            let Some(stale) = self.unrecorded_pins(&mut listed, &f).await else {
+                ok = false;
+                continue;
+            };
             if !stale.is_empty() {
                 tracing::info!(file = %esc(path.display()), images = %esc(format_args!("{:?}", stale)), "pinned for a file that no longer provides them");
                 ok &= self.unpin_names(&path, &f, &stale).await;
@@ -581,6 +551,32 @@ impl Importer {
         if !ok {
             self.strays = self.strays.owed(attempt + 1);
         }
+    }
+
+    /// The images whose pin label names `f` but that `f` does not record:
+    /// pinned just before imgbridge stopped (before the save that records
+    /// them), or left by an unpin that failed. `listed` holds each
+    /// namespace's images, listed once per pass (`None`: the listing
+    /// failed, and is not tried again in this pass); `None` if so.
+    async fn unrecorded_pins(
+        &self,
+        listed: &mut HashMap<String, Option<Vec<Image>>>,
+        f: &FileState,
+    ) -> Option<Vec<String>> {
+        if !listed.contains_key(&f.namespace) {
+            let images = self.c.list_images(&f.namespace, Vec::new()).await;
+            if let Err(e) = &images {
+                tracing::warn!(namespace = %f.namespace, error = %esc(e), "cannot list the images imported files pinned; trying again later");
+            }
+            listed.insert(f.namespace.clone(), images.ok());
+        }
+        let images = listed.get(&f.namespace)?.as_ref()?;
+        Some(
+            pin::pinned_by(images, &f.hash)
+                .filter(|n| !f.images.contains_key(*n))
+                .map(str::to_owned)
+                .collect(),
+        )
     }
 
     /// Drops `f`'s pin from `names`, keeping it where another live file

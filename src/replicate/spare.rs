@@ -65,7 +65,7 @@ impl Spares {
             }
         };
         if let Some(id) = stale {
-            self.delete(target, &id).await;
+            self.c.release_lease(target, &id).await;
         }
         self.c.create_lease(target, self.ttl).await
     }
@@ -98,7 +98,7 @@ impl Spares {
             }
         };
         if let Some(id) = extra {
-            self.delete(target, &id).await;
+            self.c.release_lease(target, &id).await;
         }
     }
 
@@ -117,14 +117,8 @@ impl Spares {
                 .collect()
         };
         for (target, id) in ready {
-            self.delete(&target, &id).await;
+            self.c.release_lease(&target, &id).await;
         }
-    }
-
-    /// Deletes a lease, now or once containerd is back
-    /// ([`Containerd::release_lease`]).
-    pub async fn delete(&self, target: &str, id: &str) {
-        self.c.release_lease(target, id).await;
     }
 }
 
@@ -162,7 +156,7 @@ impl Lease {
         if self.released.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.spares.delete(&self.target, id).await;
+        self.spares.c.release_lease(&self.target, id).await;
         let (spares, target) = (self.spares.clone(), self.target.clone());
         tokio::spawn(async move { spares.refill(&target).await });
     }
@@ -176,7 +170,7 @@ impl Drop for Lease {
         if !*self.released.get_mut() {
             let (spares, target) = (self.spares.clone(), std::mem::take(&mut self.target));
             rt.spawn(async move {
-                spares.delete(&target, &id).await;
+                spares.c.release_lease(&target, &id).await;
                 spares.refill(&target).await;
             });
         }
