@@ -60,10 +60,12 @@ pub fn take(node: &Node) -> Sample {
     let pending = |k: &str| status.as_ref().and_then(|s| s["pending"][k].as_u64());
     let sock = node.ctd_sock.clone();
     let li = block_on_thread(async move { try_leases_and_ingests(&sock).await }).ok();
-    let images = |ns: &str, filter: &str| {
-        let mut args = vec!["images", "ls", "-q"];
-        args.extend((!filter.is_empty()).then_some(filter));
-        let out = ctr(&node.ctd_sock, ns, args);
+    let images = |ns: &str, filters: &[&str]| {
+        let out = ctr(
+            &node.ctd_sock,
+            ns,
+            [&["images", "ls", "-q"], filters].concat(),
+        );
         out.status
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).lines().count() as u64)
@@ -86,9 +88,9 @@ pub fn take(node: &Node) -> Sample {
             .as_ref()
             .map(|(l, _)| l.iter().filter(|x| x.2.is_some()).count() as u64),
         ingests: li.as_ref().map(|(_, i)| i.len() as u64),
-        images_src: images("buildkit", ""),
-        images_k8s: images("k8s.io", ""),
-        pinned_k8s: images("k8s.io", r#"labels."io.cri-containerd.pinned"==pinned"#),
+        images_src: images("buildkit", &[]),
+        images_k8s: images("k8s.io", &[]),
+        pinned_k8s: images("k8s.io", &[r#"labels."io.cri-containerd.pinned"==pinned"#]),
         pending_blobs: pending("blobs"),
         import_pending: pending("files"),
     }

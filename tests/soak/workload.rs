@@ -76,12 +76,10 @@ fn finish(
         pod: pod_run,
         pod_end: node.rec.now(),
     });
-    {
-        node.made.lock().unwrap().push(Made {
-            source_ns,
-            name: name.to_string(),
-        });
-    }
+    node.made.lock().unwrap().push(Made {
+        source_ns,
+        name: name.to_string(),
+    });
 }
 
 fn run(cmd: Command) -> Result<(), String> {
