@@ -482,3 +482,75 @@ async fn a_lease_released_while_containerd_is_down_goes_once_it_is_back() {
          leases {mine:?}, ingests {ingests:?}"
     );
 }
+
+/// A lease whose maker gave up while `Leases.Create` was in flight (a
+/// replication whose client went, a timeout) is released once the answer
+/// comes, not left empty until its expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_whose_maker_gave_up_mid_call_is_released() {
+    let c = Scenario::cri().containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = dir.path().join("slow.sock");
+    let _front = slow_lease_answers(c.socket().to_path_buf(), &listen);
+    let lib = imgbridge::containerd::Containerd::new(&listen);
+    let mine = |(leases, _): imgbridge_test_support::grpc::LeasesAndIngests| -> Vec<String> {
+        let owner = imgbridge::containerd::leases::owner();
+        leases
+            .into_iter()
+            .filter(|(_, _, o)| o.as_deref() == Some(owner))
+            .map(|(_, id, _)| id)
+            .collect()
+    };
+
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(500),
+        lib.create_lease(K8S, Duration::from_secs(4 * 3600)),
+    )
+    .await;
+    assert!(
+        gave_up.is_err(),
+        "the slow answer came at once: {gave_up:?}"
+    );
+    let made = poll_async(Duration::from_secs(10), || async {
+        (!mine(leases_and_ingests(c.socket()).await).is_empty()).then_some(())
+    })
+    .await;
+    assert!(made.is_some(), "containerd never made the lease");
+
+    let gone = poll_async(Duration::from_secs(10), || async {
+        mine(leases_and_ingests(c.socket()).await)
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "10 s after containerd answered, the lease nobody waited for is still there: {:?}",
+        mine(leases_and_ingests(c.socket()).await)
+    );
+}
+
+/// Relays every call to the containerd at `real`, but holds each answer
+/// to `Leases.Create` back for two seconds after containerd gave it: the
+/// window in which a caller that stops waiting leaves a lease behind. A
+/// real containerd answers too fast to open it on purpose (frozen, it
+/// sees the cancel before the call and makes nothing), so a front does.
+fn slow_lease_answers(real: PathBuf, listen: &Path) -> front::Front {
+    let mut f = front::Front::default();
+    f.serve(listen, move |req| {
+        let real = real.clone();
+        async move {
+            let slow = req.uri().path().ends_with(".Leases/Create");
+            // Its own task: containerd gets the whole call even when the
+            // caller resets it.
+            let resp = tokio::spawn(async move { front::relay(&real, req).await })
+                .await
+                .unwrap();
+            if slow {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            resp
+        }
+    });
+    f
+}

@@ -43,6 +43,12 @@ impl Lease {
         &self.id
     }
 
+    /// The lease's id, no longer released on drop: the caller releases it.
+    pub fn into_id(mut self) -> String {
+        self.armed = false;
+        std::mem::take(&mut self.id)
+    }
+
     /// Deletes the lease now, or once containerd is back
     /// ([`Containerd::release_lease`]).
     pub async fn release(mut self) {
@@ -81,20 +87,37 @@ pub struct LeaseInfo {
 
 impl Containerd {
     /// A lease in `ns` that expires after `ttl` even if never released.
+    ///
+    /// `Leases.Create` runs in a task of its own and hands back a lease
+    /// that releases itself when dropped: a caller cancelled while the call
+    /// was in flight (its client gone, a timeout) would otherwise leave the
+    /// lease containerd made for it, empty and named by nobody, until its
+    /// expiry (tests/reconcile.rs shows it with a stopped containerd).
     pub async fn lease(&self, ns: &str, ttl: Duration) -> Result<Lease> {
-        let id = self.create_lease(ns, ttl).await?;
-        Ok(Lease {
-            c: self.clone(),
-            ns: ns.into(),
-            id,
-            armed: true,
+        let (c, ns) = (self.clone(), ns.to_string());
+        tokio::spawn(async move {
+            let id = c.make_lease(&ns, ttl).await?;
+            Ok(Lease {
+                c,
+                ns,
+                id,
+                armed: true,
+            })
         })
+        .await
+        .map_err(|e| Error::Protocol(format!("Leases.Create task: {e}")))?
     }
 
     /// Creates a lease in `ns` that expires after `ttl` even if never
-    /// deleted, labelled with this process's [`owner`]; the caller deletes
-    /// it ([`Self::lease`] gives one that deletes itself).
+    /// deleted; the caller deletes it ([`Self::lease`] gives one that
+    /// deletes itself).
     pub async fn create_lease(&self, ns: &str, ttl: Duration) -> Result<String> {
+        Ok(self.lease(ns, ttl).await?.into_id())
+    }
+
+    /// `Leases.Create` of a lease labelled with its expiry and this
+    /// process's [`owner`].
+    async fn make_lease(&self, ns: &str, ttl: Duration) -> Result<String> {
         let id = format!("imgbridge-{}", unique());
         let expire = time::OffsetDateTime::from(SystemTime::now() + ttl)
             .format(&time::format_description::well_known::Rfc3339)

@@ -42,11 +42,15 @@ pub struct Drained {
 
 /// What imgbridge holds in containerd: its leases that hold something,
 /// its empty ones, its ingests (refs `imgbridge-…`).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Holdings {
     pub holding: usize,
     pub empty: usize,
     pub ingests: usize,
+    /// Each of its leases: namespace, id, seconds into the run it was
+    /// made, its expiry and owner, what it holds; printed when the drain
+    /// fails so that the reader can name the one too many.
+    pub leases: Vec<String>,
 }
 
 fn holdings(node: &Node) -> Option<Holdings> {
@@ -56,7 +60,7 @@ fn holdings(node: &Node) -> Option<Holdings> {
         ListResourcesRequest, ListStatusesRequest,
     };
     use imgbridge_test_support::grpc::with_ns;
-    let sock = node.ctd_sock.clone();
+    let (sock, wall0) = (node.ctd_sock.clone(), node.rec.wall0);
     imgbridge_test_support::util::block_on_thread(async move {
         let ch = imgbridge_test_support::grpc::try_containerd_channel(&sock)
             .await
@@ -81,7 +85,7 @@ fn holdings(node: &Node) -> Option<Holdings> {
                 .filter(|l| l.labels.contains_key("io.imgbridge.owner"))
             {
                 let res = leases
-                    .list_resources(with_ns(ListResourcesRequest { id: l.id }, &ns))
+                    .list_resources(with_ns(ListResourcesRequest { id: l.id.clone() }, &ns))
                     .await
                     .ok()?
                     .into_inner()
@@ -90,6 +94,19 @@ fn holdings(node: &Node) -> Option<Holdings> {
                     true => h.empty += 1,
                     false => h.holding += 1,
                 }
+                let made = l.created_at.map_or(f64::NAN, |t| {
+                    t.seconds as f64 + f64::from(t.nanos) / 1e9 - wall0
+                });
+                let label = |k: &str| l.labels.get(k).map_or("-", String::as_str);
+                h.leases.push(format!(
+                    "{ns} {} made at {made:.1} s, expires {}, owner {}, holds {:?}",
+                    l.id,
+                    label("containerd.io/gc.expire"),
+                    label("io.imgbridge.owner"),
+                    res.iter()
+                        .map(|r| format!("{} {}", r.r#type, r.id))
+                        .collect::<Vec<_>>(),
+                ));
             }
             h.ingests += ContentClient::new(ch.clone())
                 .list_statuses(with_ns(ListStatusesRequest::default(), &ns))
@@ -664,7 +681,10 @@ impl Report {
                 d.import_pending,
                 d.streams,
                 d.leases,
-            ),
+            ) + &match drained.secs {
+                Some(_) => String::new(),
+                None => format!("; imgbridge's leases at the deadline: {}", drained.held.leases.join("; ")),
+            },
             drained.secs.is_some(),
         );
 
