@@ -7,7 +7,8 @@
 #
 # Starts a throwaway containerd (temp root/state/sockets, CRI disabled), the
 # two floor relays and `imgbridge serve` in front of it, then measures:
-#   unary   BENCH_CALLS sequential Version calls per socket, interleaved across
+#   unary   BENCH_CALLS sequential Version calls per socket and client (Rust,
+#           grpc-go, Python grpcio: BENCH_CLIENTS), interleaved across
 #           the sockets in blocks of BENCH_BLOCK calls (p50/p90/p99 per call).
 #           Not one by one: a relay's work after its reply (bookkeeping, a tokio
 #           socket's writability wake-ups) overlaps the client's next call, and
@@ -22,10 +23,15 @@
 # order rotated per round, so drift on this noisy machine hits all alike.
 # Reported: medians over rounds; ratios are medians of the per-round ratios.
 #
-# Needs only Debian's containerd and cargo. Environment:
+# Needs Debian's containerd and cargo (go and python3-grpcio for the other
+# unary clients). Environment:
 #   BENCH_SIZE_MB=1024 BENCH_CALLS=5000 BENCH_WARMUP=200 BENCH_BLOCK=20 BENCH_ROUNDS=3
 #   BENCH_NS=bench (buildkit: writes in a source namespace, watched)
 #   BENCH_READERS=8 BENCH_NO_BUILD=1 (skip cargo build) BENCH_KEEP=1 (keep temp dir)
+#   BENCH_CLIENTS="rust go python" (unary clients: our Rust bench_client;
+#       grpc-go, tests/peers/grpcbench via scripts/peers.sh, needs go;
+#       Python grpcio, scripts/lib/grpcbench.py, needs python3-grpcio;
+#       one missing is skipped with a note)
 #   BENCH_DIR=<dir for containerd's root and the sockets>: by default /dev/shm
 #       when it has room for four times BENCH_SIZE_MB, else /tmp. On disk, the
 #       write figure measured the disk's writeback (the same target ranged
@@ -54,6 +60,7 @@ CONTAINERD=${CONTAINERD:-containerd}
 # BENCH_NS=buildkit measures writes in a source namespace, where imgbridge
 # watches each Content.Write for COMMITs that replicas wait for.
 NS=${BENCH_NS:-bench}
+CLIENTS=${BENCH_CLIENTS:-rust go python}
 
 cd "$(dirname "$0")/.."
 if [[ -z ${BENCH_NO_BUILD:-} ]]; then
@@ -184,23 +191,57 @@ if [[ -n ${BENCH_PUSH:-} ]]; then
 fi
 
 # --- unary -----------------------------------------------------------------
-for ((r = 0; r < ROUNDS; r++)); do
-    idx=($(order $r))
-    list=$(for i in "${idx[@]}"; do printf '%s,' "${socks[$i]}"; done)
-    log "unary round $((r + 1))/$ROUNDS: $CALLS calls per target"
-    c0=(); for i in "${idx[@]}"; do c0[i]=$(cpu_ticks "${procs[$i]}"); done
-    out=$("$client" unary --sockets "${list%,}" --calls "$CALLS" --warmup "$WARMUP" --block "$BLOCK")
-    for i in "${idx[@]}"; do
-        if [[ -n ${procs[$i]} ]]; then
-            echo "unary_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0[i])) \
-                -v hz="$hz" -v n=$((CALLS + WARMUP)) 'BEGIN {print t / hz * 1e6 / n}')" >>"$res"
-        fi
-        line=$(grep -F "socket=${socks[$i]} " <<<"$out")
-        for p in p50 p90 p99; do
-            echo "unary_$p $r ${names[$i]} $(kv ${p}_us <<<"$line")" >>"$res"
+# Each client runs the same rounds: imgbridge's own Rust client (tests
+# "unary_*"), grpc-go, the stack of kubelet, ctr and buildkit ("go_unary_*",
+# tests/peers/grpcbench), and Python grpcio ("py_unary_*",
+# scripts/lib/grpcbench.py). They frame and wake differently, so a hop's
+# cost is not the same for each (docs/performance.md).
+unary_rounds() { # test-prefix client-command...
+    local pre=$1 r i out line p
+    shift
+    for ((r = 0; r < ROUNDS; r++)); do
+        idx=($(order $r))
+        list=$(for i in "${idx[@]}"; do printf '%s,' "${socks[$i]}"; done)
+        log "${pre}unary round $((r + 1))/$ROUNDS: $CALLS calls per target"
+        c0=(); for i in "${idx[@]}"; do c0[i]=$(cpu_ticks "${procs[$i]}"); done
+        out=$("$@" --sockets "${list%,}" --calls "$CALLS" --warmup "$WARMUP" --block "$BLOCK")
+        for i in "${idx[@]}"; do
+            if [[ -n ${procs[$i]} ]]; then
+                echo "${pre}unary_cpu $r ${names[$i]} $(awk -v t=$(($(cpu_ticks "${procs[$i]}") - c0[i])) \
+                    -v hz="$hz" -v n=$((CALLS + WARMUP)) 'BEGIN {print t / hz * 1e6 / n}')" >>"$res"
+            fi
+            line=$(grep -F "socket=${socks[$i]} " <<<"$out")
+            for p in p50 p90 p99; do
+                echo "${pre}unary_$p $r ${names[$i]} $(kv ${p}_us <<<"$line")" >>"$res"
+            done
         done
     done
-done
+}
+unary_rounds "" "$client" unary
+clients=(rust)
+if [[ " $CLIENTS " == *" go "* ]]; then
+    if gobench=$(scripts/peers.sh fetch grpcbench 2>"$tmp/peers.log" | awk '{print $3 "/grpcbench"}') &&
+        [[ -x $gobench ]]; then
+        unary_rounds go_ "$gobench"
+        clients+=(go)
+    else
+        log "no grpc-go client (scripts/peers.sh fetch grpcbench failed: needs go; $tmp/peers.log)"
+    fi
+fi
+if [[ " $CLIENTS " == *" python "* ]]; then
+    # Debian's python3-grpcio is in /usr/bin/python3's path, which a
+    # python3 of pyenv's or a venv's before it on PATH does not see.
+    py=
+    for p in python3 /usr/bin/python3; do
+        if "$p" -c 'import grpc' 2>/dev/null; then py=$p; break; fi
+    done
+    if [[ -n $py ]]; then
+        unary_rounds py_ "$py" scripts/lib/grpcbench.py
+        clients+=(python)
+    else
+        log "no Python grpcio client (apt-get install python3-grpcio)"
+    fi
+fi
 
 if [[ -n $push_pid ]]; then
     kill "$push_pid" 2>/dev/null || true
@@ -285,12 +326,15 @@ row() { # label test ratio-kind target-text
     for g in floor splice; do printf '%12s' "$(printf '%.3f' "$(paired "$test" "$g" direct ratio)")"; done
     printf '  %s\n' "$goal"
 }
-row "unary p50 (us)" unary_p50 lat "overhead ratio <= 1.2"
-row "unary p90 (us)" unary_p90 lat ""
-row "unary p99 (us)" unary_p99 lat ""
-printf '%-22s%11s' "unary p50 overhead" "-"
-for g in "${cols[@]:1}"; do printf '%+11.1f' "$(overhead unary_p50 "$g")"; done
-echo "  (us over direct, per-round median)"
+for c in "${clients[@]}"; do
+    case $c in rust) pre= ;; go) pre=go_ ;; python) pre=py_ ;; esac
+    row "$c unary p50 (us)" ${pre}unary_p50 lat "overhead ratio <= 1.0"
+    row "$c unary p90 (us)" ${pre}unary_p90 lat ""
+    row "$c unary p99 (us)" ${pre}unary_p99 lat ""
+    printf '%-22s%11s' "$c p50 overhead" "-"
+    for g in "${cols[@]:1}"; do printf '%+11.1f' "$(overhead ${pre}unary_p50 "$g")"; done
+    echo "  (us over direct, per-round median)"
+done
 row "write MB/s" write tput ">= 0.95 of floor"
 row "read MB/s" read tput ">= 0.95 of floor"
 row "${READERS}x read MB/s" readN tput ">= 0.95 of floor"
@@ -301,7 +345,10 @@ cpu_row() { # label test
     printf '%12s\n' "$(printf '%.2f' "$(paired "$2" imgbridge floor ratio)")"
 }
 echo "CPU time of the relaying process (user+sys, proxies only; less noisy than wall time):"
-cpu_row "  us per unary call" unary_cpu
+for c in "${clients[@]}"; do
+    case $c in rust) pre= ;; go) pre=go_ ;; python) pre=py_ ;; esac
+    cpu_row "  us per call ($c)" ${pre}unary_cpu
+done
 cpu_row "  ms per GiB write" write_cpu
 cpu_row "  ms per GiB read" read_cpu
 cpu_row "  ms per GiB ${READERS}x read" readN_cpu

@@ -9,6 +9,8 @@
 #       bindir holds buildkitd + buildctl (buildkit), nerdctl, crictl,
 #       spegel, kubelet (with kube-apiserver, kube-controller-manager,
 #       kube-scheduler and kubectl), etcd, crane, conformance, oras, helm, or ko.
+#   scripts/peers.sh fetch grpcbench   (not in the default list: only
+#       scripts/bench.sh runs it) scripts/bench.sh's grpc-go unary client
 #   scripts/peers.sh versions
 #       stdout: "<module> <version>" for every Go peer (containerd included)
 #   scripts/peers.sh verify [NAME...]
@@ -145,6 +147,13 @@ peer_spec() { # name version
             binaries=(oras)
             units=("0||-w -X $module/internal/version.BuildMetadata=||$module/cmd/oras")
             ;;
+        grpcbench)
+            # scripts/bench.sh's unary client on grpc-go (our own main in
+            # tests/peers/grpcbench): the version is grpc-go's.
+            module=google.golang.org/grpc
+            binaries=(grpcbench)
+            units=("0|||-trimpath|imgbridge.test/peers/grpcbench")
+            ;;
         conformance)
             module=github.com/opencontainers/distribution-spec/conformance
             binaries=(conformance)
@@ -179,8 +188,8 @@ check_peer() { # bindir; uses $name $ver $binaries $module
             [[ "$out" == "$ver" ]] || die "peer $name: $1/$b version prints '$out', expected $ver"
             continue
         fi
-        if [[ "$name" == spegel || "$name" == conformance ]]; then
-            [[ "$name" == conformance ]] ||
+        if [[ "$name" == spegel || "$name" == conformance || "$name" == grpcbench ]]; then
+            [[ "$name" == conformance || "$name" == grpcbench ]] ||
                 "$1/$b" version >/dev/null 2>&1 || die "peer $name: $1/$b version failed"
             out="$("$(gobuild_find_go)" version -m "$1/$b" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m { print $3 }')"
             [[ "$out" == "$ver" ]] || die "peer $name: $1/$b links $module '$out', expected $ver"

@@ -49,8 +49,14 @@ gobuild_pins() { # name
         }' "$gomod"
 }
 
+# A peer whose main is ours (grpcbench) has no tool directive: its pin is
+# the require line of the module it is built on.
 gobuild_pin() { # name module → pinned version (empty if not pinned)
-    gobuild_pins "$1" | awk -v m="$2" '$1 == m { print $2 }'
+    local v
+    v="$(gobuild_pins "$1" | awk -v m="$2" '$1 == m { print $2 }')"
+    [[ -n "$v" ]] || v="$(awk -v m="$2" '$1 == m && NF >= 2 { print $2; exit }
+        $1 == "require" && $2 == m { print $3; exit }' "$gobuild_peers_dir/$1/go.mod")"
+    echo "$v"
 }
 
 gobuild_all_pins() { # every peer's pins, one "<module> <version>" a line
