@@ -554,3 +554,69 @@ fn slow_lease_answers(real: PathBuf, listen: &Path) -> front::Front {
     });
     f
 }
+
+/// A lease whose release failed for good (containerd answered the delete
+/// with an error that is not worth a retry) is ended by the next sweep of
+/// imgbridge's leases, not left to its expiry: the hour under faults left
+/// one, holding three blobs (docs/reliability.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_whose_release_failed_is_ended_by_the_sweep() {
+    use imgbridge::containerd::{leases, orphans, Containerd};
+    let c = Scenario::cri().containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = dir.path().join("failing.sock");
+    let _front = failing_lease_deletes(c.socket().to_path_buf(), &listen);
+    let lib = Containerd::new(&listen);
+    let id = lib
+        .create_lease(K8S, Duration::from_secs(4 * 3600))
+        .await
+        .unwrap();
+    lib.release_lease(K8S, &id).await;
+    let mine = || async {
+        leases_and_ingests(c.socket())
+            .await
+            .0
+            .into_iter()
+            .filter(|(_, _, o)| o.as_deref() == Some(leases::owner()))
+            .map(|(_, l, _)| l)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        mine().await,
+        vec![id.clone()],
+        "the failing front let the delete through"
+    );
+    assert!(
+        !leases::holds(K8S, &id),
+        "a released lease is still counted as held"
+    );
+
+    let owners = dir.path().join("owners");
+    std::fs::create_dir_all(&owners).unwrap();
+    let swept = orphans::sweep(&Containerd::new(c.socket()), &owners, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(
+        mine().await,
+        Vec::<String>::new(),
+        "the sweep left the lease nobody holds ({swept:?})"
+    );
+    assert_eq!(swept.own, 1, "{swept:?}");
+}
+
+/// Relays every call to the containerd at `real` but answers each
+/// `Leases.Delete` itself with INTERNAL: a release that fails in a way no
+/// retry mends, which no real containerd here answers on demand.
+fn failing_lease_deletes(real: PathBuf, listen: &Path) -> front::Front {
+    let mut f = front::Front::default();
+    f.serve(listen, move |req| {
+        let real = real.clone();
+        async move {
+            if req.uri().path().ends_with(".Leases/Delete") {
+                return front::grpc_reply(&[], 13, "injected: delete failed");
+            }
+            front::relay(&real, req).await
+        }
+    });
+    f
+}

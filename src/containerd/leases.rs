@@ -9,8 +9,8 @@
 //! whose release found containerd gone (restarting, SIGKILLed) is released
 //! again once it answers ([`Containerd::release_lease`]).
 
-use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use containerd_client::services::v1::{
@@ -20,6 +20,25 @@ use containerd_client::services::v1::{
 use super::{request, Containerd, Error, Result};
 use crate::backoff::Backoff;
 use crate::labels::{EXPIRE, OWNER};
+use crate::lock::lock;
+
+/// The leases this process made and has not let go of yet, by namespace
+/// and id: a lease of its own that containerd lists and this table does
+/// not is one whose release failed or whose id was lost, and the sweep
+/// ([`super::orphans`]) ends it rather than leave it to its expiry (the
+/// hour under faults left one, holding three blobs: docs/reliability.md).
+static HELD: Mutex<Option<HashSet<(String, String)>>> = Mutex::new(None);
+
+fn held() -> std::sync::MutexGuard<'static, Option<HashSet<(String, String)>>> {
+    lock(&HELD)
+}
+
+/// Whether this process still holds lease `id` of `ns`.
+pub fn holds(ns: &str, id: &str) -> bool {
+    held()
+        .as_ref()
+        .is_some_and(|h| h.contains(&(ns.to_string(), id.to_string())))
+}
 
 /// This process's id among imgbridges: random, once per process.
 pub fn owner() -> &'static str {
@@ -83,6 +102,8 @@ const RELEASE_RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration
 pub struct LeaseInfo {
     pub id: String,
     pub labels: HashMap<String, String>,
+    /// When containerd made it (`None`: not said).
+    pub created: Option<SystemTime>,
 }
 
 impl Containerd {
@@ -137,6 +158,9 @@ impl Containerd {
             ))
             .await
             .map_err(Error::status(format!("Leases.Create in {ns}")))?;
+        held()
+            .get_or_insert_with(HashSet::new)
+            .insert((ns.to_string(), id.clone()));
         Ok(id)
     }
 
@@ -169,6 +193,9 @@ impl Containerd {
     /// leased, a half-written ingest included, for up to four hours (the
     /// soak found one per few containerd kills: docs/reliability.md).
     pub async fn release_lease(&self, ns: &str, id: &str) {
+        if let Some(h) = held().as_mut() {
+            h.remove(&(ns.to_string(), id.to_string()));
+        }
         let item = format!("lease {id}");
         match self
             .guarded("Leases.Delete", ns, &item, self.delete_lease(ns, id))
@@ -181,7 +208,7 @@ impl Containerd {
                 tokio::spawn(async move { c.release_when_back(&ns, &id).await });
             }
             Err(e) => {
-                tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
+                tracing::info!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; the next sweep of imgbridge's leases ends it");
             }
         }
     }
@@ -204,7 +231,7 @@ impl Containerd {
                 }
                 Err(e) if e.unreachable() => {}
                 Err(e) => {
-                    tracing::debug!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; it expires on its own");
+                    tracing::info!(lease = %id, namespace = %ns, error = %e, "releasing a lease failed; the next sweep of imgbridge's leases ends it");
                     return;
                 }
             }
@@ -262,6 +289,7 @@ impl Containerd {
             .leases
             .into_iter()
             .map(|l| LeaseInfo {
+                created: l.created_at.and_then(|t| SystemTime::try_from(t).ok()),
                 id: l.id,
                 labels: l.labels,
             })

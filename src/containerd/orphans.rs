@@ -11,7 +11,10 @@
 //! (the instance before a socket handover, draining) is left alone, as is
 //! one whose owner left no file here (another imgbridge with its own
 //! directory, or a lease from before a reboot emptied `/run`): those
-//! expire. See docs/design.md ("Leases").
+//! expire. The same sweep ends this process's own leases that it no
+//! longer holds (a release that failed for good, an id lost to a cancelled
+//! call): nothing of imgbridge's outlives what it knows of by more than a
+//! sweep. See docs/design.md ("Leases").
 
 use std::fs::File;
 use std::io;
@@ -20,13 +23,14 @@ use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::leases::owner;
+use super::leases::{self, owner, LeaseInfo};
 use super::{Containerd, Result};
 use crate::labels::OWNER;
 
 /// How often leftovers are looked for after the first sweep at start (an
-/// instance killed while another already runs, as in an upgrade).
-pub const SWEEP_EVERY: Duration = Duration::from_secs(300);
+/// instance killed while another already runs, as in an upgrade; a lease
+/// of this one's own that it lost): a listing per namespace a minute.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// This process's claim to be alive: its owner id's file, locked.
 pub struct Presence {
@@ -71,12 +75,31 @@ fn dead(dir: &Path, id: &str) -> Option<Flock<File>> {
 pub struct Swept {
     pub leases: usize,
     pub ingests: usize,
+    /// Of `leases`, this process's own that it no longer held: a release
+    /// that failed for good, an id a cancelled call never got back.
+    pub own: usize,
+}
+
+/// How old a lease of this process must be before a sweep ends it for not
+/// being held: one made a moment ago may not be in the table yet.
+pub const OWN_GRACE: Duration = Duration::from_secs(60);
+
+/// Whether `l`, of namespace `ns`, is this process's and no longer held
+/// ([`leases::holds`]), and at least `grace` old.
+fn lost(ns: &str, l: &LeaseInfo, grace: Duration) -> bool {
+    l.labels.get(OWNER).map(String::as_str) == Some(owner())
+        && !leases::holds(ns, &l.id)
+        && l.created
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= grace)
 }
 
 /// Releases, in every namespace, the leases of imgbridges known dead
-/// ([`dead`]), aborting the ingests under them first (an ingest's bytes
-/// stay on disk until it is aborted or its lease's GC runs).
-pub async fn sweep(c: &Containerd, dir: &Path) -> Result<Swept> {
+/// ([`dead`]) and this process's own it no longer holds that are at least
+/// `own_grace` old ([`OWN_GRACE`]), aborting the ingests under them first
+/// (an ingest's bytes stay on disk until it is aborted or its lease's GC
+/// runs).
+pub async fn sweep(c: &Containerd, dir: &Path, own_grace: Duration) -> Result<Swept> {
     let mut swept = Swept::default();
     let mut done: Vec<String> = Vec::new();
     let mut kept: Vec<String> = Vec::new();
@@ -85,6 +108,12 @@ pub async fn sweep(c: &Containerd, dir: &Path) -> Result<Swept> {
             let Some(id) = l.labels.get(OWNER) else {
                 continue;
             };
+            if lost(&ns, &l, own_grace) {
+                swept.ingests += c.end_lease(&ns, &l.id).await?;
+                swept.leases += 1;
+                swept.own += 1;
+                continue;
+            }
             if kept.contains(id) {
                 continue;
             }
@@ -115,11 +144,12 @@ pub async fn sweep_forever(c: Containerd, dir: PathBuf, stop: tokio_util::sync::
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        match sweep(&c, &dir).await {
+        match sweep(&c, &dir, OWN_GRACE).await {
             Ok(s) if s.leases > 0 => tracing::info!(
                 leases = s.leases,
+                own = s.own,
                 ingests = s.ingests,
-                "released what a killed imgbridge left behind (its leases and unfinished ingests)"
+                "released leases nobody holds (a killed imgbridge's, or this one's whose release failed) and their unfinished ingests"
             ),
             Ok(_) => {}
             Err(e) => {
