@@ -488,19 +488,7 @@ async fn a_lease_released_while_containerd_is_down_goes_once_it_is_back() {
 /// comes, not left empty until its expiry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_whose_maker_gave_up_mid_call_is_released() {
-    let c = Scenario::cri().containerd();
-    let dir = tempfile::tempdir().unwrap();
-    let listen = dir.path().join("slow.sock");
-    let _front = slow_lease_answers(c.socket().to_path_buf(), &listen);
-    let lib = imgbridge::containerd::Containerd::new(&listen);
-    let mine = |(leases, _): imgbridge_test_support::grpc::LeasesAndIngests| -> Vec<String> {
-        let owner = imgbridge::containerd::leases::owner();
-        leases
-            .into_iter()
-            .filter(|(_, _, o)| o.as_deref() == Some(owner))
-            .map(|(_, id, _)| id)
-            .collect()
-    };
+    let (c, _dir, _front, lib) = behind(slow_lease_answers);
 
     let gave_up = tokio::time::timeout(
         Duration::from_millis(500),
@@ -512,22 +500,50 @@ async fn a_lease_whose_maker_gave_up_mid_call_is_released() {
         "the slow answer came at once: {gave_up:?}"
     );
     let made = poll_async(Duration::from_secs(10), || async {
-        (!mine(leases_and_ingests(c.socket()).await).is_empty()).then_some(())
+        (!my_leases(c.socket()).await.is_empty()).then_some(())
     })
     .await;
     assert!(made.is_some(), "containerd never made the lease");
 
     let gone = poll_async(Duration::from_secs(10), || async {
-        mine(leases_and_ingests(c.socket()).await)
-            .is_empty()
-            .then_some(())
+        my_leases(c.socket()).await.is_empty().then_some(())
     })
     .await;
     assert!(
         gone.is_some(),
         "10 s after containerd answered, the lease nobody waited for is still there: {:?}",
-        mine(leases_and_ingests(c.socket()).await)
+        my_leases(c.socket()).await
     );
+}
+
+/// A containerd, and a client of this crate's that reaches it through the
+/// front `make` puts before it (on a socket in the dir returned).
+fn behind(
+    make: fn(PathBuf, &Path) -> front::Front,
+) -> (
+    imgbridge_test_support::containerd::Containerd,
+    tempfile::TempDir,
+    front::Front,
+    imgbridge::containerd::Containerd,
+) {
+    let c = Scenario::cri().containerd();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = dir.path().join("front.sock");
+    let f = make(c.socket().to_path_buf(), &listen);
+    let lib = imgbridge::containerd::Containerd::new(&listen);
+    (c, dir, f, lib)
+}
+
+/// The leases this process made in the containerd at `sock`.
+async fn my_leases(sock: &Path) -> Vec<String> {
+    let owner = imgbridge::containerd::leases::owner();
+    leases_and_ingests(sock)
+        .await
+        .0
+        .into_iter()
+        .filter(|(_, _, o)| o.as_deref() == Some(owner))
+        .map(|(_, id, _)| id)
+        .collect()
 }
 
 /// Relays every call to the containerd at `real`, but holds each answer
@@ -562,27 +578,14 @@ fn slow_lease_answers(real: PathBuf, listen: &Path) -> front::Front {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_whose_release_failed_is_ended_by_the_sweep() {
     use imgbridge::containerd::{leases, orphans, Containerd};
-    let c = Scenario::cri().containerd();
-    let dir = tempfile::tempdir().unwrap();
-    let listen = dir.path().join("failing.sock");
-    let _front = failing_lease_deletes(c.socket().to_path_buf(), &listen);
-    let lib = Containerd::new(&listen);
+    let (c, dir, _front, lib) = behind(failing_lease_deletes);
     let id = lib
         .create_lease(K8S, Duration::from_secs(4 * 3600))
         .await
         .unwrap();
     lib.release_lease(K8S, &id).await;
-    let mine = || async {
-        leases_and_ingests(c.socket())
-            .await
-            .0
-            .into_iter()
-            .filter(|(_, _, o)| o.as_deref() == Some(leases::owner()))
-            .map(|(_, l, _)| l)
-            .collect::<Vec<_>>()
-    };
     assert_eq!(
-        mine().await,
+        my_leases(c.socket()).await,
         vec![id.clone()],
         "the failing front let the delete through"
     );
@@ -597,7 +600,7 @@ async fn a_lease_whose_release_failed_is_ended_by_the_sweep() {
         .await
         .unwrap();
     assert_eq!(
-        mine().await,
+        my_leases(c.socket()).await,
         Vec::<String>::new(),
         "the sweep left the lease nobody holds ({swept:?})"
     );
