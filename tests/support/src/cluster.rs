@@ -148,7 +148,7 @@ impl ControlPlane {
                 d.join("apiserver-certs").display()
             ));
         let mut api = Daemon::spawn("kube-apiserver", cmd, &d.join("kube-apiserver.log"));
-        ready(&mut api, "kube-apiserver", || {
+        ready_within(&mut api, "kube-apiserver", APISERVER_READY, || {
             cp.kubectl(["get", "--raw", "/readyz"]).status.success()
         });
         cp.apiserver = Some(api);
@@ -344,7 +344,23 @@ impl Drop for ControlPlane {
 
 /// Waits for `daemon` with the harness's start deadline; panics with its log.
 fn ready(daemon: &mut Daemon, name: &str, check: impl FnMut() -> bool) {
-    match daemon.wait_ready(check) {
+    ready_within(daemon, name, crate::util::READY_TIMEOUT, check)
+}
+
+/// kube-apiserver's `/readyz` waits for every post-start hook (RBAC
+/// bootstrap roles, priority classes, the service CIDR): on two cores
+/// shared with the hour's soak and a CI lane it took over 20 s (a cold CI
+/// went red on it), where a daemon that only opens a socket takes one.
+const APISERVER_READY: std::time::Duration = std::time::Duration::from_secs(90);
+
+/// Waits for `daemon` up to `deadline`; panics with its log.
+fn ready_within(
+    daemon: &mut Daemon,
+    name: &str,
+    deadline: std::time::Duration,
+    check: impl FnMut() -> bool,
+) {
+    match daemon.wait_ready_within(deadline, check) {
         Ok(()) => {}
         Err(NotReady::Exited(st)) => panic!("{name} exited ({st}):\n{}", daemon.log_tail(60)),
         Err(NotReady::TimedOut) => panic!("{name} not ready:\n{}", daemon.log_tail(60)),

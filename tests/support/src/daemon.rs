@@ -255,8 +255,18 @@ pub(crate) enum NotReady {
 impl Daemon {
     /// Polls `ready` until it holds, for up to [`READY_TIMEOUT`]; gives up
     /// at once when the process exits meanwhile (and reaps it).
-    pub(crate) fn wait_ready(&mut self, mut ready: impl FnMut() -> bool) -> Result<(), NotReady> {
-        let outcome = poll(READY_TIMEOUT, || {
+    pub(crate) fn wait_ready(&mut self, ready: impl FnMut() -> bool) -> Result<(), NotReady> {
+        self.wait_ready_within(READY_TIMEOUT, ready)
+    }
+
+    /// [`Self::wait_ready`] with a deadline of its own, for a daemon whose
+    /// start does much more than open a socket.
+    pub(crate) fn wait_ready_within(
+        &mut self,
+        deadline: std::time::Duration,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), NotReady> {
+        let outcome = poll(deadline, || {
             if let Some(status) = self.try_reap() {
                 return Some(Err(NotReady::Exited(status)));
             }
