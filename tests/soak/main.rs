@@ -62,6 +62,9 @@ pub struct Node {
     pub stop: AtomicBool,
     /// Images the work wrote, oldest first, for the GC worker to delete.
     pub made: Mutex<Vec<workload::Made>>,
+    /// When the GC worker first saw each image of `k8s.io`, by id (as
+    /// kubelet's image GC keeps it).
+    pub first_seen: Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -157,6 +160,7 @@ path = "{watch}"
         ib_pid: Mutex::new(Some(p.pid())),
         stop: AtomicBool::new(false),
         made: Mutex::default(),
+        first_seen: Mutex::default(),
     });
 
     let workers: Vec<(&str, thread::JoinHandle<()>)> = vec![

@@ -333,7 +333,7 @@ pub fn drain(node: &Node) -> Drained {
             let _ = ctr(&node.ib_sock, ns, ["images", "rm", &c.name]);
         }
     }
-    collect_unpinned(node);
+    collect_unpinned(node, true);
     let t = node.rec.now();
     let mut last = Sample::default();
     // Two upload expiries (30 s) and a sweep: an upload a killed client

@@ -341,26 +341,45 @@ pub fn gc(node: Arc<Node>) {
             }
         }
         node.made.lock().unwrap().splice(0..0, again);
-        collect_unpinned(&node);
+        collect_unpinned(&node, false);
         // The GC's period (kubelet runs its image GC every 5 minutes).
         std::thread::sleep(Duration::from_secs(3));
     }
 }
 
-/// One kubelet-style image GC pass: every image CRI reports unpinned goes
-/// (kubelet also spares images in use; CRI refuses those itself).
-pub fn collect_unpinned(node: &Node) -> usize {
+/// kubelet's `--minimum-image-ttl-duration` (2 min by default): its GC
+/// takes no image it first saw less than this ago. Without it the soak's
+/// GC took a pull list's image in the moment between CRI's pull and
+/// imgbridge's pin, under a pod about to start (run 5 of the hour).
+const MIN_IMAGE_AGE: Duration = Duration::from_secs(120);
+
+/// One kubelet-style image GC pass: every image CRI reports unpinned that
+/// it first saw at least [`MIN_IMAGE_AGE`] ago goes (`all`: every unpinned
+/// one, for the drain); kubelet also spares images in use, and CRI refuses
+/// those itself.
+pub fn collect_unpinned(node: &Node, all: bool) -> usize {
     let out = node.crictl.run(["images", "-o", "json"]);
     let Ok(list) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
         return 0;
     };
+    let mut seen = node.first_seen.lock().unwrap();
+    let now = std::time::Instant::now();
+    let listed: std::collections::HashSet<String> = list["images"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i["id"].as_str().map(str::to_owned))
+        .collect();
+    seen.retain(|id, _| listed.contains(id));
     let mut removed = 0;
     for img in list["images"].as_array().into_iter().flatten() {
-        if img["pinned"] != true {
-            let id = img["id"].as_str().unwrap_or_default();
-            if node.crictl.run(["rmi", id]).status.success() {
-                removed += 1;
-            }
+        let id = img["id"].as_str().unwrap_or_default();
+        let first = *seen.entry(id.to_string()).or_insert(now);
+        if img["pinned"] != true
+            && (all || now.duration_since(first) >= MIN_IMAGE_AGE)
+            && node.crictl.run(["rmi", id]).status.success()
+        {
+            removed += 1;
         }
     }
     removed
