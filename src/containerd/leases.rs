@@ -10,7 +10,7 @@
 //! again once it answers ([`Containerd::release_lease`]).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{LazyLock, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use containerd_client::services::v1::{
@@ -27,17 +27,11 @@ use crate::lock::lock;
 /// not is one whose release failed or whose id was lost, and the sweep
 /// ([`super::orphans`]) ends it rather than leave it to its expiry (the
 /// hour under faults left one, holding three blobs: docs/reliability.md).
-static HELD: Mutex<Option<HashSet<(String, String)>>> = Mutex::new(None);
-
-fn held() -> std::sync::MutexGuard<'static, Option<HashSet<(String, String)>>> {
-    lock(&HELD)
-}
+static HELD: LazyLock<Mutex<HashSet<(String, String)>>> = LazyLock::new(Mutex::default);
 
 /// Whether this process still holds lease `id` of `ns`.
 pub fn holds(ns: &str, id: &str) -> bool {
-    held()
-        .as_ref()
-        .is_some_and(|h| h.contains(&(ns.to_string(), id.to_string())))
+    lock(&HELD).contains(&(ns.to_string(), id.to_string()))
 }
 
 /// This process's id among imgbridges: random, once per process.
@@ -158,9 +152,7 @@ impl Containerd {
             ))
             .await
             .map_err(Error::status(format!("Leases.Create in {ns}")))?;
-        held()
-            .get_or_insert_with(HashSet::new)
-            .insert((ns.to_string(), id.clone()));
+        lock(&HELD).insert((ns.to_string(), id.clone()));
         Ok(id)
     }
 
@@ -193,9 +185,7 @@ impl Containerd {
     /// leased, a half-written ingest included, for up to four hours (the
     /// soak found one per few containerd kills: docs/reliability.md).
     pub async fn release_lease(&self, ns: &str, id: &str) {
-        if let Some(h) = held().as_mut() {
-            h.remove(&(ns.to_string(), id.to_string()));
-        }
+        lock(&HELD).remove(&(ns.to_string(), id.to_string()));
         let item = format!("lease {id}");
         match self
             .guarded("Leases.Delete", ns, &item, self.delete_lease(ns, id))
