@@ -53,7 +53,27 @@ pub struct Holdings {
     pub leases: Vec<String>,
 }
 
-fn holdings(node: &Node) -> Option<Holdings> {
+/// One lease as containerd lists it, for the drain's judgements.
+struct LeaseRow {
+    ns: String,
+    id: String,
+    labels: std::collections::HashMap<String, String>,
+    /// Seconds into the run it was made.
+    made: f64,
+    /// What it holds (`type id`): listed for imgbridge's leases and those
+    /// of `k8s.io` only (buildkitd keeps thousands).
+    resources: Vec<String>,
+}
+
+impl LeaseRow {
+    fn imgbridge(&self) -> bool {
+        self.labels.contains_key("io.imgbridge.owner")
+    }
+}
+
+/// Every lease of every namespace, and the count of imgbridge's ingests
+/// (refs `imgbridge-…`); `None` if containerd did not answer.
+fn leases_now(node: &Node) -> Option<(Vec<LeaseRow>, usize)> {
     use containerd_client::services::v1::{
         content_client::ContentClient, leases_client::LeasesClient,
         namespaces_client::NamespacesClient, ListNamespacesRequest, ListRequest,
@@ -65,7 +85,7 @@ fn holdings(node: &Node) -> Option<Holdings> {
         let ch = imgbridge_test_support::grpc::try_containerd_channel(&sock)
             .await
             .ok()?;
-        let mut h = Holdings::default();
+        let (mut rows, mut ingests) = (Vec::new(), 0);
         let nss = NamespacesClient::new(ch.clone())
             .list(ListNamespacesRequest::default())
             .await
@@ -80,35 +100,30 @@ fn holdings(node: &Node) -> Option<Holdings> {
                 .ok()?
                 .into_inner()
                 .leases;
-            for l in list
-                .into_iter()
-                .filter(|l| l.labels.contains_key("io.imgbridge.owner"))
-            {
-                let res = leases
-                    .list_resources(with_ns(ListResourcesRequest { id: l.id.clone() }, &ns))
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .resources;
-                match res.is_empty() {
-                    true => h.empty += 1,
-                    false => h.holding += 1,
-                }
-                let made = l.created_at.map_or(f64::NAN, |t| {
-                    t.seconds as f64 + f64::from(t.nanos) / 1e9 - wall0
-                });
-                let label = |k: &str| l.labels.get(k).map_or("-", String::as_str);
-                h.leases.push(format!(
-                    "{ns} {} made at {made:.1} s, expires {}, owner {}, holds {:?}",
-                    l.id,
-                    label("containerd.io/gc.expire"),
-                    label("io.imgbridge.owner"),
-                    res.iter()
+            for l in list {
+                let mut row = LeaseRow {
+                    ns: ns.clone(),
+                    made: l.created_at.map_or(f64::NAN, |t| {
+                        t.seconds as f64 + f64::from(t.nanos) / 1e9 - wall0
+                    }),
+                    id: l.id,
+                    labels: l.labels,
+                    resources: Vec::new(),
+                };
+                if row.imgbridge() || ns == "k8s.io" {
+                    row.resources = leases
+                        .list_resources(with_ns(ListResourcesRequest { id: row.id.clone() }, &ns))
+                        .await
+                        .ok()?
+                        .into_inner()
+                        .resources
+                        .iter()
                         .map(|r| format!("{} {}", r.r#type, r.id))
-                        .collect::<Vec<_>>(),
-                ));
+                        .collect();
+                }
+                rows.push(row);
             }
-            h.ingests += ContentClient::new(ch.clone())
+            ingests += ContentClient::new(ch.clone())
                 .list_statuses(with_ns(ListStatusesRequest::default(), &ns))
                 .await
                 .ok()?
@@ -118,91 +133,67 @@ fn holdings(node: &Node) -> Option<Holdings> {
                 .filter(|s| s.r#ref.starts_with("imgbridge-"))
                 .count();
         }
-        Some(h)
+        Some((rows, ingests))
     })
+}
+
+/// What imgbridge holds in containerd now ([`Holdings`]).
+fn holdings(node: &Node) -> Option<Holdings> {
+    let (rows, ingests) = leases_now(node)?;
+    let mut h = Holdings {
+        ingests,
+        ..Holdings::default()
+    };
+    for l in rows.iter().filter(|l| l.imgbridge()) {
+        match l.resources.is_empty() {
+            true => h.empty += 1,
+            false => h.holding += 1,
+        }
+        let label = |k: &str| l.labels.get(k).map_or("-", String::as_str);
+        h.leases.push(format!(
+            "{} {} made at {:.1} s, expires {}, owner {}, holds {:?}",
+            l.ns,
+            l.id,
+            l.made,
+            label("containerd.io/gc.expire"),
+            label("io.imgbridge.owner"),
+            l.resources,
+        ));
+    }
+    Some(h)
 }
 
 /// Leases outside buildkitd's namespace that carry no imgbridge owner:
 /// `(namespace, id, made at, seconds into the run)`.
 fn other_leases(node: &Node) -> Vec<(String, String, f64)> {
-    use containerd_client::services::v1::{
-        leases_client::LeasesClient, namespaces_client::NamespacesClient, ListNamespacesRequest,
-        ListRequest,
-    };
-    use imgbridge_test_support::grpc::with_ns;
-    let (sock, wall0) = (node.ctd_sock.clone(), node.rec.wall0);
-    imgbridge_test_support::util::block_on_thread(async move {
-        let mut out = Vec::new();
-        let Ok(ch) = imgbridge_test_support::grpc::try_containerd_channel(&sock).await else {
-            return out;
-        };
-        let Ok(nss) = NamespacesClient::new(ch.clone())
-            .list(ListNamespacesRequest::default())
-            .await
-        else {
-            return out;
-        };
-        for ns in nss.into_inner().namespaces.into_iter().map(|n| n.name) {
-            if ns.starts_with("buildkit") {
-                continue;
-            }
-            let Ok(list) = LeasesClient::new(ch.clone())
-                .list(with_ns(ListRequest::default(), &ns))
-                .await
-            else {
-                continue;
-            };
-            for l in list.into_inner().leases {
-                if l.labels.contains_key("io.imgbridge.owner") {
-                    continue;
-                }
-                let made = l.created_at.map_or(f64::NAN, |t| {
-                    t.seconds as f64 + f64::from(t.nanos) / 1e9 - wall0
-                });
-                out.push((ns.clone(), l.id, made));
-            }
-        }
-        out
-    })
+    leases_now(node)
+        .map(|(rows, _)| rows)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|l| !l.ns.starts_with("buildkit") && !l.imgbridge())
+        .map(|l| (l.ns, l.id, l.made))
+        .collect()
 }
 
 /// The leases of `k8s.io`: labels and what each holds.
 fn lease_details(node: &Node) -> String {
-    use containerd_client::services::v1::{
-        leases_client::LeasesClient, ListRequest, ListResourcesRequest,
-    };
-    use imgbridge_test_support::grpc::with_ns;
-    let sock = node.ctd_sock.clone();
-    imgbridge_test_support::util::block_on_thread(async move {
-        let mut s = String::new();
-        let Ok(ch) = imgbridge_test_support::grpc::try_containerd_channel(&sock).await else {
-            return s;
-        };
-        let mut c = LeasesClient::new(ch);
-        let Ok(list) = c.list(with_ns(ListRequest::default(), "k8s.io")).await else {
-            return s;
-        };
-        for l in list.into_inner().leases {
-            let res = c
-                .list_resources(with_ns(ListResourcesRequest { id: l.id.clone() }, "k8s.io"))
-                .await
-                .map(|r| {
-                    r.into_inner()
-                        .resources
-                        .iter()
-                        .map(|x| format!("{}:{}", x.r#type, x.id))
-                        .take(5)
-                        .collect::<Vec<_>>()
-                })
-                .unwrap_or_default();
-            let _ = writeln!(
-                s,
-                "    k8s.io lease {} labels {:?} created {:?} resources {:?}",
-                l.id, l.labels, l.created_at, res
-            );
-        }
-        s
-    })
+    let mut s = String::new();
+    for l in leases_now(node)
+        .map(|(rows, _)| rows)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|l| l.ns == "k8s.io")
+    {
+        let _ = writeln!(
+            s,
+            "    k8s.io lease {} labels {:?} made at {:.1} s resources {:?}",
+            l.id,
+            l.labels,
+            l.made,
+            l.resources.iter().take(5).collect::<Vec<_>>()
+        );
+    }
+    s
 }
 
 /// A lease id with its random parts (hex or digits, 6 or more) as `N`:
