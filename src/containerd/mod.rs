@@ -72,7 +72,13 @@ impl Error {
     pub fn unreachable(&self) -> bool {
         match self {
             Error::Status { status, .. } => {
-                status.code() == tonic::Code::Unavailable || breaker::broke_connection(status)
+                status.code() == tonic::Code::Unavailable
+                    || breaker::broke_connection(status)
+                    // The connection closed before the call went out:
+                    // tonic says CANCELLED with the transport's error as
+                    // its source (containerd's own CANCELLED has none).
+                    || (status.code() == tonic::Code::Cancelled
+                        && std::error::Error::source(status).is_some())
             }
             Error::Protocol(_) | Error::Refused { .. } => false,
         }

@@ -80,6 +80,7 @@ impl BlobSink for ContainerdSink {
         size: u64,
     ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
         self.check()?;
+        tracing::debug!(namespace = %self.ns, digest = expected.unwrap_or("(unknown)"), size, "import: opening a blob's ingest");
         let start = self.handle.block_on(self.c.open_ingest(
             &self.ns,
             self.lease.as_deref(),
@@ -87,7 +88,10 @@ impl BlobSink for ContainerdSink {
             size as i64,
         ))?;
         let ingest = match start {
-            IngestStart::Present => return Ok(None),
+            IngestStart::Present => {
+                tracing::debug!(namespace = %self.ns, "import: the blob is present");
+                return Ok(None);
+            }
             IngestStart::Open(i) => i,
         };
         if let (true, Some(d)) = (ingest.is_shared(), expected) {
@@ -173,7 +177,10 @@ impl BlobWrite for ContainerdWrite {
         if let Some(d) = self.done.take() {
             let _ = d.send(digest.to_string());
         }
-        self.outcome()
+        tracing::debug!(digest, "import: blob read; waiting for its commit");
+        let r = self.outcome();
+        tracing::debug!(digest, ok = r.is_ok(), "import: blob written");
+        r
     }
 }
 
@@ -204,8 +211,10 @@ pub async fn import_archive(
     source: Option<&str>,
 ) -> Result<ArchiveOutcome, ImportError> {
     let lease = c.lease(ns, LEASE_TTL).await?;
+    tracing::debug!(lease = lease.id(), "import: lease made");
     let res = import_leased(c, ns, path, opts, source, lease.id()).await;
     lease.release().await;
+    tracing::debug!(ok = res.is_ok(), "import: lease released");
     res
 }
 
@@ -224,6 +233,10 @@ async fn import_leased(
     let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
         .await
         .map_err(|e| ImportError::Panic(e.to_string()))??;
+    tracing::debug!(
+        images = plan.images.len(),
+        "import: archive read; writing metadata and records"
+    );
     let mut out = ArchiveOutcome {
         failures: plan.failures.clone(),
         warnings: plan.warnings.clone(),
@@ -289,7 +302,7 @@ async fn write_plan(
                 continue;
             }
             if let Err(e) = write_small(c, ns, lease, b, mirror.as_ref()).await {
-                if e.is(tonic::Code::Unavailable) {
+                if e.unreachable() {
                     return Err(e.into());
                 }
                 out.failures.push(format!(
@@ -303,7 +316,7 @@ async fn write_plan(
         }
         if let Some(m) = &mirror {
             if let Err(e) = label_layers(c, ns, img, m).await {
-                if e.is(tonic::Code::Unavailable) {
+                if e.unreachable() {
                     return Err(e.into());
                 }
                 out.warnings.push(format!(
@@ -319,12 +332,13 @@ async fn write_plan(
             annotations: HashMap::new(),
         };
         for name in &img.names {
+            tracing::debug!(image = %super::esc(name), "import: recording the image");
             match pin::record(c, ns, name, &target, source).await {
                 Ok((_, pinned)) => {
                     out.images.push((name.clone(), target.digest.clone()));
                     out.pinned += u64::from(pinned);
                 }
-                Err(e) if e.is(tonic::Code::Unavailable) => return Err(e.into()),
+                Err(e) if e.unreachable() => return Err(e.into()),
                 Err(e) => out.failures.push(format!("{name}: {e}")),
             }
         }

@@ -99,11 +99,11 @@ impl Error {
         self
     }
 
-    /// containerd failed: 500, the cause in the message (a gRPC
-    /// Unavailable while containerd restarts becomes 503 so clients retry).
+    /// containerd failed: 500, the cause in the message (containerd not
+    /// there to answer, restarting, becomes 503 so clients retry).
     pub fn containerd(e: containerd::Error) -> Error {
         let mut err = Error::new(Code::Unknown, e.to_string());
-        if e.is(tonic::Code::Unavailable) {
+        if e.unreachable() {
             err.status = StatusCode::SERVICE_UNAVAILABLE;
         }
         err

@@ -177,7 +177,7 @@ impl Injector {
     fn restart_imgbridge(&mut self) {
         self.keep_log();
         let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        let p = Imgbridge::start_at_logging(&self.node.ib_sock, self.c.socket(), &args, "info");
+        let p = Imgbridge::start_at_logging(&self.node.ib_sock, self.c.socket(), &args, crate::LOG);
         *self.node.ib_pid.lock().unwrap() = Some(p.pid());
         self.p = p;
     }

@@ -67,6 +67,10 @@ pub struct Node {
     pub first_seen: Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
+/// imgbridge's log filter: `info`, as a node logs, and the importer's
+/// steps at `debug`, so a stalled import names the step it stopped in.
+pub const LOG: &str = "info,imgbridge::import=debug";
+
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -137,7 +141,7 @@ path = "{watch}"
     let args = vec!["--config".to_string(), cfg.display().to_string()];
     let ib_sock = run_dir.join("imgbridge.sock");
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let p = Imgbridge::start_at_logging(&ib_sock, c.socket(), &argv, "info");
+    let p = Imgbridge::start_at_logging(&ib_sock, c.socket(), &argv, crate::LOG);
     let up = poll(READY_TIMEOUT, || {
         (http_status(&endpoint, "/v2/") == Some(200)).then_some(())
     });

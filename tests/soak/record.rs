@@ -172,9 +172,15 @@ impl Record {
 
     /// Whether a fault's window overlaps `[start, end]`.
     pub fn explained(&self, start: f64, end: f64) -> bool {
+        self.explained_by(start, end, |_| true)
+    }
+
+    /// Whether the window of a fault whose kind `can` accepts overlaps
+    /// `[start, end]`.
+    pub fn explained_by(&self, start: f64, end: f64, can: impl Fn(&str) -> bool) -> bool {
         self.faults.lock().unwrap().iter().any(|f| {
             let (a, b) = f.window();
-            start <= b && end >= a
+            can(f.kind) && start <= b && end >= a
         })
     }
 

@@ -11,7 +11,7 @@ use imgbridge_test_support::ctr::ctr;
 use imgbridge_test_support::flavor::flavor;
 use imgbridge_test_support::util::poll;
 
-use crate::faults::PROCESS_FAULTS_UNTIL;
+use crate::faults::{Kind, PROCESS_FAULTS_UNTIL};
 use crate::record::{Outcome, Sample};
 use crate::sample;
 use crate::workload::collect_unpinned;
@@ -394,6 +394,46 @@ pub struct Report {
     faults: String,
 }
 
+/// Whether a fault of `kind` can cost an import: one that takes imgbridge,
+/// containerd or containerd's disk away. A client's reset or cut write
+/// touches nothing the importer uses.
+fn can_cost_import(kind: &str) -> bool {
+    kind != Kind::ClientReset.name() && kind != Kind::WriteCut.name()
+}
+
+/// The longest the importer may go without an import resolving while
+/// files keep landing: three files in a row missed (each given 60 s), a
+/// containerd or imgbridge restart and the importer's first retries fit
+/// in it; an importer that stopped does not.
+const MAX_IMPORT_STALL: Duration = Duration::from_secs(180);
+
+/// The longest stretch of the work in which no import resolved, as (its
+/// start, its length) in seconds: from the first file landing, through
+/// each import CRI resolved, to the last call's end.
+fn longest_stall(writes: &[&crate::record::Call]) -> (f64, f64) {
+    let imports: Vec<_> = writes.iter().filter(|c| c.worker == "import").collect();
+    let Some(first) = imports.iter().map(|c| c.start).reduce(f64::min) else {
+        return (0.0, 0.0);
+    };
+    let end = imports.iter().map(|c| c.end).fold(first, f64::max);
+    let mut resolved: Vec<f64> = imports
+        .iter()
+        .filter(|c| c.outcome == Outcome::Ok)
+        .filter_map(|c| c.cri_ms.map(|ms| c.start + ms as f64 / 1000.0))
+        .collect();
+    resolved.sort_by(f64::total_cmp);
+    resolved.push(end);
+    let mut last = first;
+    let mut worst = (first, 0.0);
+    for t in resolved {
+        if t - last > worst.1 {
+            worst = (last, t - last);
+        }
+        last = last.max(t);
+    }
+    worst
+}
+
 /// A least-squares line through `pts`: the rise it makes over their span
 /// and the residuals' standard deviation (the noise it is judged against).
 fn fit(pts: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
@@ -467,12 +507,14 @@ impl Report {
                 "push" => "pushes returned OK and resolved by CRI at once".to_string(),
                 _ => "builds returned OK and resolved by CRI at once".to_string(),
             };
-            // An import is asynchronous: a fault may hold it up; a build
-            // or push that returned OK has no excuse.
+            // An import is asynchronous: a fault that takes imgbridge,
+            // containerd or its disk away may hold it up (a client's reset
+            // or cut write cannot); a build or push that returned OK has
+            // no excuse.
             let unexplained_miss = writes
                 .iter()
                 .filter(|c| c.worker == w && matches!(c.outcome, Outcome::Miss(_)))
-                .filter(|c| w != "import" || bad(c))
+                .filter(|c| w != "import" || !rec.explained_by(c.start, c.end, can_cost_import))
                 .count();
             add(
                 &what,
@@ -480,6 +522,17 @@ impl Report {
                 unexplained_miss == 0,
             );
         }
+        // Each miss may have its fault, yet an importer that stopped for
+        // good must still fail the run (run 5's did, at t = 908 s).
+        let stall = longest_stall(&writes);
+        add(
+            "the importer kept importing",
+            format!(
+                "longest stretch without an import resolved: {:.0} s (from t = {:.0} s; at most {:.0} s)",
+                stall.1, stall.0, MAX_IMPORT_STALL.as_secs_f64()
+            ),
+            stall.1 <= MAX_IMPORT_STALL.as_secs_f64(),
+        );
         if let Some(ms) = {
             let mut v: Vec<u64> = writes
                 .iter()
@@ -710,12 +763,16 @@ impl Report {
             unexplained.is_empty(),
         );
 
-        // Warnings and errors, each within some fault's window.
-        let (mut warns, mut unexplained) = (0, Vec::new());
+        // Warnings and errors, each within some fault's window; a panic
+        // (printed by Rust's hook, not a log line) whenever it came.
+        let (mut warns, mut unexplained, mut panics) = (0, Vec::new(), Vec::new());
         for log in logs {
             let text = fs::read_to_string(log).unwrap_or_default();
             for line in text.lines() {
                 let clean = strip_ansi(line);
+                if clean.contains("panicked at") {
+                    panics.push(clean.chars().take(300).collect::<String>());
+                }
                 let mut words = clean.split_whitespace();
                 let (Some(stamp), Some(level)) = (words.next(), words.next()) else {
                     continue;
@@ -741,6 +798,18 @@ impl Report {
                     .unwrap_or_default()
             ),
             unexplained.is_empty(),
+        );
+        add(
+            "imgbridge panics",
+            format!(
+                "{}{}",
+                panics.len(),
+                panics
+                    .first()
+                    .map(|l| format!("; first: {l}"))
+                    .unwrap_or_default()
+            ),
+            panics.is_empty(),
         );
         let not_recovered = faults.iter().filter(|f| f.recovered.is_none()).count();
         add(
@@ -841,4 +910,38 @@ fn epoch(stamp: &str) -> Option<f64> {
 fn epoch_of_a_log_stamp() {
     assert_eq!(epoch("1970-01-02T00:00:01.5Z"), Some(86_401.5));
     assert_eq!(epoch("2026-12-07T00:00:00Z"), Some(1_796_601_600.0));
+}
+
+#[test]
+fn an_importer_that_stopped_is_one_long_stall() {
+    use crate::record::Call;
+    let call = |start: f64, ok: bool| Call {
+        start,
+        end: start + if ok { 2.0 } else { 60.0 },
+        worker: "import",
+        kind: "archive".into(),
+        name: String::new(),
+        outcome: if ok {
+            Outcome::Ok
+        } else {
+            Outcome::Miss(String::new())
+        },
+        cri_ms: ok.then_some(1500),
+        pod: None,
+        pod_end: start,
+    };
+    // Imports every 5 s, one miss at a fault: short stalls only.
+    let steady: Vec<Call> = (0..100).map(|i| call(i as f64 * 5.0, i != 40)).collect();
+    let (_, s) = longest_stall(&steady.iter().collect::<Vec<_>>());
+    assert!(s < 15.0, "{s}");
+    // Run 5: imports until t = 900 s, then every file missed.
+    let hung: Vec<Call> = (0..180)
+        .map(|i| call(i as f64 * 5.0, true))
+        .chain((0..45).map(|i| call(900.0 + i as f64 * 62.0, false)))
+        .collect();
+    let (from, s) = longest_stall(&hung.iter().collect::<Vec<_>>());
+    assert!(
+        (895.0..=900.0).contains(&from) && s > MAX_IMPORT_STALL.as_secs_f64(),
+        "{from} {s}"
+    );
 }

@@ -57,6 +57,9 @@ pub struct ControlPlane {
     controller_manager: Option<Daemon>,
     apiserver: Option<Daemon>,
     etcd: Option<Daemon>,
+    /// The host's kubelet paths before the daemons started: none of them
+    /// may create one (checked when it is dropped).
+    host_before: Vec<(String, Option<String>)>,
 }
 
 impl ControlPlane {
@@ -66,6 +69,7 @@ impl ControlPlane {
     pub fn start() -> Option<ControlPlane> {
         let kube = peer("kubelet")?;
         let etcd_peer = peer("etcd")?;
+        let host_before = crate::kubelet::host_state();
         let dir = tempdir("control-plane-");
         let d = dir.path().to_path_buf();
         let pki = d.join("pki");
@@ -110,6 +114,7 @@ impl ControlPlane {
             controller_manager: None,
             apiserver: None,
             etcd: Some(etcd),
+            host_before,
         };
         for (stem, _) in clients() {
             fs::write(cp.kubeconfig_of(stem), cp.kubeconfig_text(stem)).expect("write kubeconfig");
@@ -160,6 +165,13 @@ impl ControlPlane {
                 "--use-service-account-credentials=true".into(),
                 format!("--service-account-private-key-file={}", p("sa.key")),
                 format!("--root-ca-file={}", p("ca.crt")),
+                // Its flexvolume prober creates this dir (default under
+                // /usr/libexec/kubernetes): a kubelet test running beside
+                // saw the host changed on a fresh machine.
+                format!(
+                    "--flex-volume-plugin-dir={}",
+                    d.join("flexvolume").display()
+                ),
             ],
         ));
         cp.scheduler = Some(cp.component("kube-scheduler", "scheduler", &[]));
@@ -338,6 +350,13 @@ impl Drop for ControlPlane {
             if let Some(mut d) = d.take() {
                 d.stop();
             }
+        }
+        if !std::thread::panicking() {
+            assert_eq!(
+                self.host_before,
+                crate::kubelet::host_state(),
+                "the control plane changed the host"
+            );
         }
     }
 }

@@ -468,7 +468,7 @@ fn get(addr: &str, path: &str) -> Option<String> {
 }
 
 /// The host's values of kubelet's sysctls and whether its paths exist.
-fn host_state() -> Vec<(String, Option<String>)> {
+pub(crate) fn host_state() -> Vec<(String, Option<String>)> {
     sysctls()
         .iter()
         .map(|p| format!("/proc/sys/{p}"))
