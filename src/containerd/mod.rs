@@ -268,3 +268,36 @@ pub fn request<T>(ns: &str, lease: Option<&str>, msg: T) -> tonic::Request<T> {
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    fn status_error(code: tonic::Code, source: Option<std::io::ErrorKind>) -> Error {
+        let mut status = tonic::Status::new(code, "x");
+        if let Some(kind) = source {
+            status.set_source(std::sync::Arc::new(std::io::Error::from(kind)));
+        }
+        Error::Status {
+            op: "Images.Get a in k8s.io".into(),
+            status,
+        }
+    }
+
+    /// What a restart mid-import showed: a call the closing connection
+    /// never sent comes back CANCELLED with hyper's error as its source.
+    #[test]
+    fn a_call_the_transport_gave_up_is_unreachable_and_containerds_answer_is_not() {
+        use std::io::ErrorKind::{BrokenPipe, NotFound};
+        use tonic::Code::{Cancelled, NotFound as Missing, Unavailable, Unknown};
+        assert!(status_error(Cancelled, Some(BrokenPipe)).unreachable());
+        assert!(status_error(Unknown, Some(BrokenPipe)).unreachable());
+        assert!(status_error(Unavailable, Some(NotFound)).unreachable());
+        assert!(
+            !status_error(Cancelled, None).unreachable(),
+            "containerd's own CANCELLED"
+        );
+        assert!(!status_error(Unknown, None).unreachable());
+        assert!(!status_error(Missing, None).unreachable());
+    }
+}
