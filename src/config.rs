@@ -153,6 +153,11 @@ pub struct Import {
     pub pull_hosts_deny: Vec<String>,
     /// Pin imported and pulled images.
     pub pin: bool,
+    /// An archive import that completes no step (a chunk handed on, a blob
+    /// committed, a record written) for this long is cancelled and tried
+    /// again, as containerd's CRI does with `image_pull_progress_timeout`.
+    #[serde(with = "duration")]
+    pub progress_timeout: Duration,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -297,6 +302,7 @@ impl Default for Import {
             pull_hosts_allow: Vec::new(),
             pull_hosts_deny: Vec::new(),
             pin: true,
+            progress_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -385,6 +391,9 @@ impl Config {
                 "log.format {:?}: expected \"text\" or \"json\"",
                 self.log.format
             ));
+        }
+        if self.import.progress_timeout.is_zero() {
+            return bad("import.progress_timeout is 0: every import would be cancelled at once (default \"5m\")".into());
         }
         for d in &self.import.dirs {
             if !valid_namespace(&d.namespace) {

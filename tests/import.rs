@@ -281,21 +281,15 @@ impl Running {
         max: Option<u64>,
         debounce: Duration,
     ) -> Running {
-        let mut cfg = Import {
-            dirs: dirs
-                .iter()
-                .map(|d| ImportDir {
-                    path: d.to_path_buf(),
-                    namespace: "k8s.io".into(),
-                })
-                .collect(),
-            state_file: state.into(),
-            debounce,
-            ..Import::default()
-        };
+        let mut cfg = import_config(dirs, state);
+        cfg.debounce = debounce;
         if let Some(m) = max {
             cfg.max_decompressed_bytes = m;
         }
+        Running::with_config(c, cfg)
+    }
+
+    fn with_config(c: &Containerd, cfg: Import) -> Running {
         let stats = Arc::new(Stats::default());
         let stop = tokio_util::sync::CancellationToken::new();
         let metrics = Arc::new(Metrics::new());
@@ -321,6 +315,22 @@ impl Running {
         self.stop.cancel();
         self.task.await.unwrap();
         self.stats
+    }
+}
+
+/// Watching `dirs` into `k8s.io`, state in `state`, a 300 ms debounce.
+fn import_config(dirs: &[&Path], state: &Path) -> Import {
+    Import {
+        dirs: dirs
+            .iter()
+            .map(|d| ImportDir {
+                path: d.to_path_buf(),
+                namespace: "k8s.io".into(),
+            })
+            .collect(),
+        state_file: state.into(),
+        debounce: Duration::from_millis(300),
+        ..Import::default()
     }
 }
 
@@ -735,6 +745,45 @@ async fn an_image_leaving_a_list_while_containerd_is_down_is_unpinned_once_it_is
     wait_usable_pinned(&c, &next).await;
     wait_unpinned(&c, &first).await;
     assert!(usable(&c, &first).await, "unpinned, not removed");
+    r.stop().await;
+}
+
+/// An import whose call never answers (its first `Content.Write` held
+/// forever) is cancelled once it made no progress for
+/// `import.progress_timeout`, and tried again: the importer goes on. A
+/// front holds the call, as no real containerd hangs on cue; the hour
+/// under faults saw the importer stop for good (docs/reliability.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_that_makes_no_progress_is_cancelled_and_tried_again() {
+    use std::sync::atomic::AtomicBool;
+    use support::front;
+    let (ctd, direct, tmp, dir) = stage().await;
+    let listen = tmp.path().join("front.sock");
+    let mut f = front::Front::default();
+    let (held, real) = (Arc::new(AtomicBool::new(false)), ctd.sock.clone());
+    let held_seen = held.clone();
+    f.serve(&listen, move |req| {
+        let (held, real) = (held.clone(), real.clone());
+        async move {
+            if req.uri().path().ends_with(".Content/Write") && !held.swap(true, Ordering::SeqCst) {
+                return std::future::pending().await;
+            }
+            front::relay(&real, req).await
+        }
+    });
+    let mut cfg = import_config(&[&dir], &tmp.path().join("state.json"));
+    cfg.progress_timeout = Duration::from_secs(2);
+    let r = Running::with_config(&Containerd::new(&listen), cfg);
+    copy_in("a.tar", &dir, "a.tar");
+    wait_usable_pinned(&direct, A).await;
+    assert!(
+        held_seen.load(Ordering::SeqCst),
+        "the front never held a write"
+    );
+    assert!(
+        r.get(|s| &s.failures) >= 1,
+        "the stalled import was not counted"
+    );
     r.stop().await;
 }
 

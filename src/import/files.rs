@@ -8,6 +8,7 @@ use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::archive::{Limits, ReadOptions};
+use super::heartbeat::Heartbeat;
 use super::pull::{self, PullEvent};
 use super::state::{FileKind, FileState, Stamp};
 use super::{esc, open, pin, write, Count, Importer, ListTask, Pending};
@@ -53,7 +54,13 @@ impl Importer {
         };
         tracing::info!(file = %esc(run.path.display()), size_mib = stamp.size >> 20, namespace = %run.ns, "importing");
         let started = Instant::now();
-        let res = write::import_archive(&self.c, &run.ns, &run.path, opts, source).await;
+        let hb = Heartbeat::new();
+        let res = tokio::select! {
+            r = write::import_archive(&self.c, &run.ns, &run.path, opts, source, &hb) => r,
+            (step, quiet) = hb.stopped(self.cfg.progress_timeout) => {
+                Err(super::ImportError::Stalled { step, quiet })
+            }
+        };
         let secs = format!("{:.1}", started.elapsed().as_secs_f64());
         match res {
             Ok(o) => self.archive_imported(run, o, secs, p.root).await,

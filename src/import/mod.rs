@@ -13,6 +13,7 @@
 
 pub mod archive;
 mod files;
+pub mod heartbeat;
 pub mod open;
 pub mod pin;
 pub mod pull;
@@ -65,6 +66,12 @@ pub enum ImportError {
     /// hit it again, so the file waits until it changes.
     #[error("archive reader panicked: {0}")]
     Panic(String),
+    /// No step for `import.progress_timeout`: a call that never answered.
+    #[error("no progress for {}s after {step}; cancelled", quiet.as_secs())]
+    Stalled {
+        step: &'static str,
+        quiet: std::time::Duration,
+    },
 }
 
 impl ImportError {
@@ -75,7 +82,7 @@ impl ImportError {
             ImportError::Archive(ArchiveError::Sink { .. }) => true,
             ImportError::Archive(_) | ImportError::Panic(_) => false,
             ImportError::Io { source, .. } => !open::is_not_regular(source),
-            ImportError::Containerd(_) => true,
+            ImportError::Containerd(_) | ImportError::Stalled { .. } => true,
         }
     }
 }
@@ -261,7 +268,8 @@ pub async fn import_files_with(
                 limits: limits.clone(),
                 hash_input: false,
             };
-            match write::import_archive(&containerd, ns, f, opts, source.as_deref()).await {
+            let hb = heartbeat::Heartbeat::new();
+            match write::import_archive(&containerd, ns, f, opts, source.as_deref(), &hb).await {
                 Ok(o) => {
                     for w in &o.warnings {
                         tracing::warn!(file = %esc(f.display()), warning = %esc(w), "archive warning");

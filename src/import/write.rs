@@ -6,20 +6,21 @@
 //! hashing overlap with the gRPC writes while memory stays at a few chunks.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use super::archive::{
     self, BlobSink, BlobWrite, Compression, Format, Plan, PlannedImage, Progress, ReadOptions,
     SinkError, SmallBlob,
 };
+use super::heartbeat::Heartbeat;
 use super::pin;
 use super::ImportError;
 use crate::containerd::content::{BlobRef, IngestStart, Linked};
@@ -41,36 +42,54 @@ pub struct ContainerdSink {
     c: Containerd,
     ns: String,
     lease: Option<String>,
-    /// Set when the import was dropped (shutdown): the reader thread stops.
-    abandoned: Arc<AtomicBool>,
+    /// Cancelled when the import is dropped (shutdown, a stall): the reader
+    /// thread and the blob's writer task stop, even mid-call.
+    cancel: CancellationToken,
+    hb: Heartbeat,
 }
 
 impl ContainerdSink {
-    pub fn new(handle: Handle, c: Containerd, ns: &str, lease: Option<String>) -> Self {
+    pub fn new(
+        handle: Handle,
+        c: Containerd,
+        ns: &str,
+        lease: Option<String>,
+        hb: Heartbeat,
+    ) -> Self {
         ContainerdSink {
             handle,
             c,
             ns: ns.into(),
             lease,
-            abandoned: Arc::new(AtomicBool::new(false)),
+            cancel: CancellationToken::new(),
+            hb,
         }
     }
 
     fn check(&self) -> Result<(), SinkError> {
-        if self.abandoned.load(Ordering::Relaxed) {
-            return Err(SinkError("import cancelled".into()));
+        match self.cancel.is_cancelled() {
+            true => Err(cancelled()),
+            false => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Runs `call` from the reader thread, giving up when the import is
+    /// cancelled (a call that never answers must not keep the thread).
+    fn wait<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Result<T, SinkError>
+    where
+        SinkError: From<E>,
+    {
+        self.handle.block_on(async {
+            tokio::select! {
+                r = call => r.map_err(SinkError::from),
+                _ = self.cancel.cancelled() => Err(cancelled()),
+            }
+        })
     }
 }
 
-/// Flags the sink as abandoned when the import future is dropped.
-struct AbandonOnDrop(Arc<AtomicBool>);
-
-impl Drop for AbandonOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
+fn cancelled() -> SinkError {
+    SinkError("import cancelled".into())
 }
 
 impl BlobSink for ContainerdSink {
@@ -81,12 +100,12 @@ impl BlobSink for ContainerdSink {
     ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
         self.check()?;
         tracing::debug!(namespace = %self.ns, digest = expected.unwrap_or("(unknown)"), size, "import: opening a blob's ingest");
-        let start = self.handle.block_on(self.c.open_ingest(
-            &self.ns,
-            self.lease.as_deref(),
-            expected,
-            size as i64,
-        ))?;
+        let start =
+            self.wait(
+                self.c
+                    .open_ingest(&self.ns, self.lease.as_deref(), expected, size as i64),
+            )?;
+        self.hb.beat("a blob's ingest opened");
         let ingest = match start {
             IngestStart::Present => {
                 tracing::debug!(namespace = %self.ns, "import: the blob is present");
@@ -95,7 +114,7 @@ impl BlobSink for ContainerdSink {
             IngestStart::Open(i) => i,
         };
         if let (true, Some(d)) = (ingest.is_shared(), expected) {
-            self.handle.block_on(ingest.commit(d, &HashMap::new()))?;
+            self.wait(ingest.commit(d, &HashMap::new()))?;
             return Ok(None);
         }
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(PIPELINE);
@@ -104,22 +123,30 @@ impl BlobSink for ContainerdSink {
         // containerd answers a COMMIT of a digest it already has with
         // ALREADY_EXISTS and does not lease it; lease it ourselves.
         let lease_after = expected.is_none();
+        let cancel = self.cancel.clone();
         let task = self.handle.spawn(async move {
-            let mut ingest = ingest;
-            while let Some(chunk) = rx.recv().await {
-                ingest.write(chunk).await?;
+            let write = async {
+                let mut ingest = ingest;
+                while let Some(chunk) = rx.recv().await {
+                    ingest.write(chunk).await?;
+                }
+                let digest = done_rx
+                    .await
+                    .map_err(|_| crate::containerd::Error::Protocol("blob abandoned".into()))?;
+                ingest.commit(&digest, &HashMap::new()).await?;
+                if let (true, Some(l)) = (lease_after, lease) {
+                    c.lease_content(&ns, &l, &digest).await?;
+                }
+                Ok(())
+            };
+            tokio::select! {
+                r = write => r,
+                _ = cancel.cancelled() => Err(crate::containerd::Error::Protocol("import cancelled".into())),
             }
-            let digest = done_rx
-                .await
-                .map_err(|_| crate::containerd::Error::Protocol("blob abandoned".into()))?;
-            ingest.commit(&digest, &HashMap::new()).await?;
-            if let (true, Some(l)) = (lease_after, lease) {
-                c.lease_content(&ns, &l, &digest).await?;
-            }
-            Ok(())
         });
         Ok(Some(Box::new(ContainerdWrite {
-            abandoned: self.abandoned.clone(),
+            hb: self.hb.clone(),
+            cancel: self.cancel.clone(),
             handle: self.handle.clone(),
             tx: Some(tx),
             done: Some(done_tx),
@@ -131,7 +158,8 @@ impl BlobSink for ContainerdSink {
 type WriteTask = JoinHandle<Result<(), crate::containerd::Error>>;
 
 struct ContainerdWrite {
-    abandoned: Arc<AtomicBool>,
+    hb: Heartbeat,
+    cancel: CancellationToken,
     handle: Handle,
     tx: Option<mpsc::Sender<Vec<u8>>>,
     done: Option<oneshot::Sender<String>>,
@@ -153,14 +181,15 @@ impl ContainerdWrite {
 
 impl BlobWrite for ContainerdWrite {
     fn write(&mut self, chunk: Vec<u8>) -> Result<(), SinkError> {
-        if self.abandoned.load(Ordering::Relaxed) {
-            return Err(SinkError("import cancelled".into()));
+        if self.cancel.is_cancelled() {
+            return Err(cancelled());
         }
         let sent = match &self.tx {
             Some(tx) => tx.blocking_send(chunk).is_ok(),
             None => false,
         };
         if sent {
+            self.hb.beat("a chunk handed to containerd");
             return Ok(());
         }
         // The task stopped early: report why.
@@ -180,6 +209,7 @@ impl BlobWrite for ContainerdWrite {
         tracing::debug!(digest, "import: blob read; waiting for its commit");
         let r = self.outcome();
         tracing::debug!(digest, ok = r.is_ok(), "import: blob written");
+        self.hb.beat("a blob committed");
         r
     }
 }
@@ -202,17 +232,20 @@ pub struct ArchiveOutcome {
 
 /// Imports the archive at `path` into `ns`: blobs stream under a lease,
 /// metadata and then image records are written last, so no image ever
-/// points at content that is not there. `source` pins the images.
+/// points at content that is not there. `source` pins the images. Each
+/// step beats `hb` (the caller cancels an import whose heart stops).
 pub async fn import_archive(
     c: &Containerd,
     ns: &str,
     path: &Path,
     opts: ReadOptions,
     source: Option<&str>,
+    hb: &Heartbeat,
 ) -> Result<ArchiveOutcome, ImportError> {
     let lease = c.lease(ns, LEASE_TTL).await?;
     tracing::debug!(lease = lease.id(), "import: lease made");
-    let res = import_leased(c, ns, path, opts, source, lease.id()).await;
+    hb.beat("the import's lease made");
+    let res = import_leased(c, ns, path, opts, source, lease.id(), hb).await;
     lease.release().await;
     tracing::debug!(ok = res.is_ok(), "import: lease released");
     res
@@ -225,10 +258,12 @@ async fn import_leased(
     opts: ReadOptions,
     source: Option<&str>,
     lease: &str,
+    hb: &Heartbeat,
 ) -> Result<ArchiveOutcome, ImportError> {
     let handle = Handle::current();
-    let sink = ContainerdSink::new(handle, c.clone(), ns, Some(lease.to_string()));
-    let _abandon = AbandonOnDrop(sink.abandoned.clone());
+    let sink = ContainerdSink::new(handle, c.clone(), ns, Some(lease.to_string()), hb.clone());
+    // Dropped with the import (shutdown, a stall): the reader stops.
+    let _cancel = sink.cancel.clone().drop_guard();
     let file: PathBuf = path.into();
     let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
         .await
@@ -237,6 +272,7 @@ async fn import_leased(
         images = plan.images.len(),
         "import: archive read; writing metadata and records"
     );
+    hb.beat("the archive read");
     let mut out = ArchiveOutcome {
         failures: plan.failures.clone(),
         warnings: plan.warnings.clone(),
@@ -247,7 +283,7 @@ async fn import_leased(
         format: Some(plan.format),
         ..Default::default()
     };
-    write_plan(c, ns, lease, &plan, source, &mut out).await?;
+    write_plan(c, ns, lease, &plan, source, &mut out, hb).await?;
     Ok(out)
 }
 
@@ -290,6 +326,7 @@ async fn write_plan(
     plan: &Plan,
     source: Option<&str>,
     out: &mut ArchiveOutcome,
+    hb: &Heartbeat,
 ) -> Result<(), ImportError> {
     let mut written = HashSet::new();
     'images: for img in &plan.images {
@@ -313,6 +350,7 @@ async fn write_plan(
                 continue 'images;
             }
             written.insert(b.desc.digest.clone());
+            hb.beat("a metadata blob written");
         }
         if let Some(m) = &mirror {
             if let Err(e) = label_layers(c, ns, img, m).await {
@@ -335,6 +373,7 @@ async fn write_plan(
             tracing::debug!(image = %super::esc(name), "import: recording the image");
             match pin::record(c, ns, name, &target, source).await {
                 Ok((_, pinned)) => {
+                    hb.beat("an image recorded");
                     out.images.push((name.clone(), target.digest.clone()));
                     out.pinned += u64::from(pinned);
                 }
