@@ -334,6 +334,36 @@ fn import_config(dirs: &[&Path], state: &Path) -> Import {
     }
 }
 
+/// A front on `listen` that relays every call to `ctd` but the first
+/// whose path ends with `method`: that one is never answered and, with
+/// `cut`, every connection is dropped under it (a containerd that hangs or
+/// breaks on cue, which no real one does). Returns the front (serving
+/// until dropped) and whether that call came.
+fn front_holding_first(
+    ctd: &TestContainerd,
+    listen: &Path,
+    method: &'static str,
+    cut: bool,
+) -> (support::front::Front, Arc<std::sync::atomic::AtomicBool>) {
+    use support::front;
+    let mut f = front::Front::default();
+    let came = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (killer, seen, real) = (f.killer(), came.clone(), ctd.sock.clone());
+    f.serve(listen, move |req| {
+        let (killer, seen, real) = (killer.clone(), seen.clone(), real.clone());
+        async move {
+            if req.uri().path().ends_with(method) && !seen.swap(true, Ordering::SeqCst) {
+                if cut {
+                    killer.drop_connections();
+                }
+                return std::future::pending().await;
+            }
+            front::relay(&real, req).await
+        }
+    });
+    (f, came)
+}
+
 /// Where every test here starts: a containerd with CRI and an empty
 /// `k8s.io`, the library's client on it, and a temp dir holding the
 /// `images` dir to watch (created).
@@ -755,31 +785,15 @@ async fn an_image_leaving_a_list_while_containerd_is_down_is_unpinned_once_it_is
 /// under faults saw the importer stop for good (docs/reliability.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_import_that_makes_no_progress_is_cancelled_and_tried_again() {
-    use std::sync::atomic::AtomicBool;
-    use support::front;
     let (ctd, direct, tmp, dir) = stage().await;
     let listen = tmp.path().join("front.sock");
-    let mut f = front::Front::default();
-    let (held, real) = (Arc::new(AtomicBool::new(false)), ctd.sock.clone());
-    let held_seen = held.clone();
-    f.serve(&listen, move |req| {
-        let (held, real) = (held.clone(), real.clone());
-        async move {
-            if req.uri().path().ends_with(".Content/Write") && !held.swap(true, Ordering::SeqCst) {
-                return std::future::pending().await;
-            }
-            front::relay(&real, req).await
-        }
-    });
+    let (_front, held) = front_holding_first(&ctd, &listen, ".Content/Write", false);
     let mut cfg = import_config(&[&dir], &tmp.path().join("state.json"));
     cfg.progress_timeout = Duration::from_secs(2);
     let r = Running::with_config(&Containerd::new(&listen), cfg);
     copy_in("a.tar", &dir, "a.tar");
     wait_usable_pinned(&direct, A).await;
-    assert!(
-        held_seen.load(Ordering::SeqCst),
-        "the front never held a write"
-    );
+    assert!(held.load(Ordering::SeqCst), "the front never held a write");
     assert!(
         r.get(|s| &s.failures) >= 1,
         "the stalled import was not counted"
@@ -841,27 +855,9 @@ async fn a_containerd_restart_mid_import_does_not_stop_the_importer() {
 /// which no real containerd does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_broken_while_recording_an_image_is_retried() {
-    use std::sync::atomic::AtomicBool;
-    use support::front;
     let (ctd, direct, tmp, dir) = stage().await;
     let listen = tmp.path().join("front.sock");
-    let mut f = front::Front::default();
-    let (killer, cut, real) = (
-        f.killer(),
-        Arc::new(AtomicBool::new(false)),
-        ctd.sock.clone(),
-    );
-    let cut_seen = cut.clone();
-    f.serve(&listen, move |req| {
-        let (killer, cut, real) = (killer.clone(), cut.clone(), real.clone());
-        async move {
-            if req.uri().path().ends_with(".Images/Get") && !cut.swap(true, Ordering::SeqCst) {
-                killer.drop_connections();
-                return std::future::pending().await;
-            }
-            front::relay(&real, req).await
-        }
-    });
+    let (_front, cut) = front_holding_first(&ctd, &listen, ".Images/Get", true);
     let r = Running::start(
         &Containerd::new(&listen),
         &[&dir],
@@ -871,7 +867,7 @@ async fn a_connection_broken_while_recording_an_image_is_retried() {
     copy_in("a.tar", &dir, "a.tar");
     wait_usable_pinned(&direct, A).await;
     assert!(
-        cut_seen.load(Ordering::SeqCst),
+        cut.load(Ordering::SeqCst),
         "the front never cut the recording"
     );
     r.stop().await;
