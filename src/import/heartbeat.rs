@@ -22,8 +22,10 @@ impl Heartbeat {
         Heartbeat(Arc::new(Mutex::new((Instant::now(), "starting"))))
     }
 
-    /// The import completed `step`.
+    /// The import completed `step` (logged at debug: a stalled import's
+    /// log ends with the last step it made).
     pub fn beat(&self, step: &'static str) {
+        tracing::debug!(step, "import step");
         *lock(&self.0) = (Instant::now(), step);
     }
 

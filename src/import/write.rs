@@ -99,7 +99,6 @@ impl BlobSink for ContainerdSink {
         size: u64,
     ) -> Result<Option<Box<dyn BlobWrite>>, SinkError> {
         self.check()?;
-        tracing::debug!(namespace = %self.ns, digest = expected.unwrap_or("(unknown)"), size, "import: opening a blob's ingest");
         let start =
             self.wait(
                 self.c
@@ -107,10 +106,7 @@ impl BlobSink for ContainerdSink {
             )?;
         self.hb.beat("a blob's ingest opened");
         let ingest = match start {
-            IngestStart::Present => {
-                tracing::debug!(namespace = %self.ns, "import: the blob is present");
-                return Ok(None);
-            }
+            IngestStart::Present => return Ok(None),
             IngestStart::Open(i) => i,
         };
         if let (true, Some(d)) = (ingest.is_shared(), expected) {
@@ -206,11 +202,10 @@ impl BlobWrite for ContainerdWrite {
         if let Some(d) = self.done.take() {
             let _ = d.send(digest.to_string());
         }
-        tracing::debug!(digest, "import: blob read; waiting for its commit");
-        let r = self.outcome();
-        tracing::debug!(digest, ok = r.is_ok(), "import: blob written");
+        self.hb.beat("a blob read; its commit awaited");
+        self.outcome()?;
         self.hb.beat("a blob committed");
-        r
+        Ok(())
     }
 }
 
@@ -243,11 +238,9 @@ pub async fn import_archive(
     hb: &Heartbeat,
 ) -> Result<ArchiveOutcome, ImportError> {
     let lease = c.lease(ns, LEASE_TTL).await?;
-    tracing::debug!(lease = lease.id(), "import: lease made");
     hb.beat("the import's lease made");
     let res = import_leased(c, ns, path, opts, source, lease.id(), hb).await;
     lease.release().await;
-    tracing::debug!(ok = res.is_ok(), "import: lease released");
     res
 }
 
@@ -268,10 +261,6 @@ async fn import_leased(
     let plan = tokio::task::spawn_blocking(move || read_file(&file, &opts, sink))
         .await
         .map_err(|e| ImportError::Panic(e.to_string()))??;
-    tracing::debug!(
-        images = plan.images.len(),
-        "import: archive read; writing metadata and records"
-    );
     hb.beat("the archive read");
     let mut out = ArchiveOutcome {
         failures: plan.failures.clone(),
@@ -370,7 +359,6 @@ async fn write_plan(
             annotations: HashMap::new(),
         };
         for name in &img.names {
-            tracing::debug!(image = %super::esc(name), "import: recording the image");
             match pin::record(c, ns, name, &target, source).await {
                 Ok((_, pinned)) => {
                     hb.beat("an image recorded");
