@@ -179,6 +179,7 @@ finish() {
     # they would go on writing into the caches being removed.
     [[ -z "$go_pid" ]] || kill_tree "$go_pid"
     [[ -z "$root_pid" ]] || kill_tree "$root_pid"
+    [[ -z "${static_pid:-}" ]] || kill_tree "$static_pid"
     timing_table
     if [[ -n "${cold_root:-}" && "${cold_keep:-1}" == 0 ]]; then
         chmod -R u+w "$cold_root" 2>/dev/null || true # Go's module cache is read-only
@@ -267,16 +268,21 @@ cargo test --no-run --test '*' --message-format=json-render-diagnostics |
 stage_done "integration test binaries (build)" "$stage_start"
 
 # The one release build: the static binary (musl, scripts/build-static.sh)
-# that the DaemonSet test runs in the project's image under the real
-# kubelet, and that release.sh, the .deb and the image of the packaging test
-# take as they are (cargo finds it fresh).
-if [[ "${IMGBRIDGE_SKIP_PEERS:-0}" != "1" || "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
-    stage_start=$SECONDS
-    echo "==> static binary: scripts/build-static.sh x86_64"
-    IMGBRIDGE_STATIC_BINARY="$(scripts/build-static.sh x86_64 | awk '$1 == "x86_64" {print $2}')"
-    [[ -x "$IMGBRIDGE_STATIC_BINARY" ]] || { echo "scripts/test.sh: no static binary" >&2; exit 1; }
-    export IMGBRIDGE_STATIC_BINARY
-    stage_done "static release binary (musl)" "$stage_start"
+# that the DaemonSet and cluster tests run in the project's image under the
+# real kubelet, and that release.sh, the .deb and the image of the packaging
+# test take as they are (cargo finds it fresh). Only those need it, so it
+# builds in a lane of its own beside the first integration tests (about
+# 11 minutes of the cargo lane before: docs/testing.md, "CI time").
+static_pid=""
+static_tests=1
+[[ -z "${IMGBRIDGE_TESTS:-}" || " $IMGBRIDGE_TESTS " == *" daemonset "* || " $IMGBRIDGE_TESTS " == *" cluster "* ]] ||
+    static_tests=0
+if [[ ("${IMGBRIDGE_SKIP_PEERS:-0}" != "1" && $static_tests == 1) || "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
+    echo "==> static binary (background, log: $out/static.log): scripts/build-static.sh x86_64"
+    (s=$SECONDS; scripts/build-static.sh x86_64 >"$out/static.txt" &&
+        printf 'static binary (musl, beside the tests)\t%s\n' "$((SECONDS - s))" >"$out/static.times" &&
+        touch "$out/static.ok") >"$out/static.log" 2>&1 &
+    static_pid=$!
 fi
 cargo_lane_secs=$((SECONDS - go_start))
 
@@ -309,6 +315,30 @@ go_lane_end() {
         done <"$out/go-lane.times"
     fi
     [[ $go_rc -eq 0 ]] || { echo "scripts/test.sh: the Go lane failed (log above)" >&2; exit 1; }
+}
+
+# The static lane's end: IMGBRIDGE_STATIC_BINARY exported, its time in the
+# table (true), or its log printed (false). Once.
+static_lane_end() {
+    [[ -n "$static_pid" ]] || return 0
+    local rc
+    set +e
+    wait "$static_pid"
+    rc=$?
+    set -e
+    static_pid=""
+    if [[ $rc -ne 0 || ! -e "$out/static.ok" ]]; then
+        cat "$out/static.log"
+        echo "scripts/test.sh: building the static binary failed (log above)" >&2
+        return 1
+    fi
+    IMGBRIDGE_STATIC_BINARY="$(awk '$1 == "x86_64" {print $2}' "$out/static.txt")"
+    [[ -x "$IMGBRIDGE_STATIC_BINARY" ]] || { echo "scripts/test.sh: no static binary" >&2; return 1; }
+    export IMGBRIDGE_STATIC_BINARY
+    local what secs
+    IFS=$'\t' read -r what secs <"$out/static.times"
+    stage_names+=("$what")
+    stage_secs+=("$secs")
 }
 
 stage_start=$SECONDS
@@ -407,29 +437,41 @@ reap() {
     read -r rc secs <"$out/job-$j.end" || { rc="lost"; secs="?"; }
     echo "    (tests/${j#*-}.rs on containerd ${j%%-*}: exit $rc, $secs s)"
 }
-# The binaries that run kubelet wait for its build (the Go lane's last):
-# the others go first.
+# The binaries that run kubelet wait for its build (the Go lane's last),
+# those that run the project's image for the static binary too: each free
+# slot takes the longest job whose needs are met.
 needs_kubelet="kubelet daemonset cluster"
-deferred=()
-launch() { # label bindir name exe
-    while ((${#job_of_pid[@]} >= njobs)); do reap; done
-    run_job "$@" &
-    job_of_pid[$!]="$1-$3"
-}
-while read -r _ label bindir name exe; do
-    if [[ " $needs_kubelet " == *" $name "* && ! -e "$out/go-kubelet.ok" ]]; then
-        deferred+=("$label $bindir $name $exe")
-        continue
+needs_static="daemonset cluster"
+job_ready() { # name: its needs met (true), not yet (false); exits if a lane failed
+    if [[ " $needs_kubelet " == *" $1 "* && ! -e "$out/go-kubelet.ok" ]]; then
+        kill -0 "$go_pid" 2>/dev/null && return 1
+        go_lane_reached go-kubelet.ok || exit 1
     fi
-    launch "$label" "$bindir" "$name" "$exe"
+    if [[ " $needs_static " == *" $1 "* && -n "$static_pid" ]]; then
+        [[ -e "$out/static.ok" ]] || { kill -0 "$static_pid" 2>/dev/null && return 1; }
+        static_lane_end || exit 1
+    fi
+    return 0
+}
+pending=()
+while read -r _ label bindir name exe; do
+    pending+=("$label $bindir $name $exe")
 done <"$jobs_file"
-if ((${#deferred[@]})); then
-    go_lane_reached go-kubelet.ok || exit 1
-    for j in "${deferred[@]}"; do
-        read -r label bindir name exe <<<"$j"
-        launch "$label" "$bindir" "$name" "$exe"
+while ((${#pending[@]})); do
+    while ((${#job_of_pid[@]} >= njobs)); do reap; done
+    launched=""
+    for i in "${!pending[@]}"; do
+        read -r label bindir name exe <<<"${pending[$i]}"
+        job_ready "$name" || continue
+        run_job "$label" "$bindir" "$name" "$exe" &
+        job_of_pid[$!]="$label-$name"
+        unset "pending[$i]"
+        launched=1
+        break
     done
-fi
+    # A free slot and no job ready: the kubelet or the static build ends soon.
+    [[ -n "$launched" ]] || sleep 1
+done
 while ((${#job_of_pid[@]})); do reap; done
 stage_done "integration tests, $njobs binaries at a time (wall)" "$stage_start"
 # The rest of the Go lane (the packaging stage's cargo tools).
@@ -488,6 +530,7 @@ fi
 if [[ "${IMGBRIDGE_SKIP_PACKAGING:-0}" == "1" ]]; then
     echo "==> packaging test skipped (IMGBRIDGE_SKIP_PACKAGING=1)"
 else
+    static_lane_end || exit 1
     echo "==> scripts/test-packaging.sh"
     stage_start=$SECONDS
     scripts/test-packaging.sh
