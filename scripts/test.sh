@@ -273,15 +273,18 @@ stage_done "integration test binaries (build)" "$stage_start"
 # test take as they are (cargo finds it fresh). Only those need it, so it
 # builds in a lane of its own beside the first integration tests (about
 # 11 minutes of the cargo lane before: docs/testing.md, "CI time").
+needs_static="daemonset cluster"
+static_wanted=""
+for n in $needs_static; do
+    if [[ -z "${IMGBRIDGE_TESTS:-}" || " $IMGBRIDGE_TESTS " == *" $n "* ]]; then static_wanted=1; fi
+done
 static_pid=""
-static_tests=1
-[[ -z "${IMGBRIDGE_TESTS:-}" || " $IMGBRIDGE_TESTS " == *" daemonset "* || " $IMGBRIDGE_TESTS " == *" cluster "* ]] ||
-    static_tests=0
-if [[ ("${IMGBRIDGE_SKIP_PEERS:-0}" != "1" && $static_tests == 1) || "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
+if [[ ("${IMGBRIDGE_SKIP_PEERS:-0}" != "1" && -n "$static_wanted") || "${IMGBRIDGE_SKIP_PACKAGING:-0}" != "1" ]]; then
     echo "==> static binary (background, log: $out/static.log): scripts/build-static.sh x86_64"
+    # static.times, written last, is the lane's "done" marker.
     (s=$SECONDS; scripts/build-static.sh x86_64 >"$out/static.txt" &&
-        printf 'static binary (musl, beside the tests)\t%s\n' "$((SECONDS - s))" >"$out/static.times" &&
-        touch "$out/static.ok") >"$out/static.log" 2>&1 &
+        printf 'static binary (musl, beside the tests)\t%s\n' "$((SECONDS - s))" >"$out/static.times") \
+        >"$out/static.log" 2>&1 &
     static_pid=$!
 fi
 cargo_lane_secs=$((SECONDS - go_start))
@@ -299,6 +302,15 @@ go_lane_reached() {
         sleep 1
     done
 }
+# A lane's "stage<TAB>seconds" lines, if it wrote them, into the table.
+lane_times() { # file
+    [[ -f "$1" ]] || return 0
+    local what secs
+    while IFS=$'\t' read -r what secs; do
+        stage_names+=("$what")
+        stage_secs+=("$secs")
+    done <"$1"
+}
 # The Go lane's end: its log and timings.
 go_lane_end() {
     local go_rc
@@ -308,12 +320,7 @@ go_lane_end() {
     set -e
     go_pid=""
     cat "$out/go-lane.log"
-    if [[ -f "$out/go-lane.times" ]]; then
-        while IFS=$'\t' read -r what secs; do
-            stage_names+=("$what")
-            stage_secs+=("$secs")
-        done <"$out/go-lane.times"
-    fi
+    lane_times "$out/go-lane.times"
     [[ $go_rc -eq 0 ]] || { echo "scripts/test.sh: the Go lane failed (log above)" >&2; exit 1; }
 }
 
@@ -327,7 +334,7 @@ static_lane_end() {
     rc=$?
     set -e
     static_pid=""
-    if [[ $rc -ne 0 || ! -e "$out/static.ok" ]]; then
+    if [[ $rc -ne 0 ]]; then
         cat "$out/static.log"
         echo "scripts/test.sh: building the static binary failed (log above)" >&2
         return 1
@@ -335,10 +342,7 @@ static_lane_end() {
     IMGBRIDGE_STATIC_BINARY="$(awk '$1 == "x86_64" {print $2}' "$out/static.txt")"
     [[ -x "$IMGBRIDGE_STATIC_BINARY" ]] || { echo "scripts/test.sh: no static binary" >&2; return 1; }
     export IMGBRIDGE_STATIC_BINARY
-    local what secs
-    IFS=$'\t' read -r what secs <"$out/static.times"
-    stage_names+=("$what")
-    stage_secs+=("$secs")
+    lane_times "$out/static.times"
 }
 
 stage_start=$SECONDS
@@ -441,14 +445,13 @@ reap() {
 # those that run the project's image for the static binary too: each free
 # slot takes the longest job whose needs are met.
 needs_kubelet="kubelet daemonset cluster"
-needs_static="daemonset cluster"
 job_ready() { # name: its needs met (true), not yet (false); exits if a lane failed
     if [[ " $needs_kubelet " == *" $1 "* && ! -e "$out/go-kubelet.ok" ]]; then
         kill -0 "$go_pid" 2>/dev/null && return 1
         go_lane_reached go-kubelet.ok || exit 1
     fi
     if [[ " $needs_static " == *" $1 "* && -n "$static_pid" ]]; then
-        [[ -e "$out/static.ok" ]] || { kill -0 "$static_pid" 2>/dev/null && return 1; }
+        [[ -e "$out/static.times" ]] || { kill -0 "$static_pid" 2>/dev/null && return 1; }
         static_lane_end || exit 1
     fi
     return 0
